@@ -1,0 +1,174 @@
+#include "core/config.h"
+
+#include <boost/program_options.hpp>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+
+namespace po = boost::program_options;
+
+namespace moeut {
+namespace {
+
+[[noreturn]] void fail(const std::string& option, const std::string& rule) {
+  throw ConfigError("invalid configuration: " + option + ": " + rule);
+}
+
+void require_positive(const char* name, int64_t v) {
+  if (v <= 0) fail(name, "must be positive (got " + std::to_string(v) + ")");
+}
+
+void require_range(const char* name, double v, double lo, double hi, const char* rule) {
+  if (!std::isfinite(v) || v < lo || v > hi) fail(name, std::string(rule) + " (got " + std::to_string(v) + ")");
+}
+
+po::options_description model_options(ModelConfig& m) {
+  po::options_description o("Model (names as the official MoEUT constructor)");
+  o.add_options()
+      ("n_tokens", po::value(&m.n_tokens)->default_value(m.n_tokens), "vocabulary size V")
+      ("d_model", po::value(&m.d_model)->default_value(m.d_model), "residual width d")
+      ("n_layers", po::value(&m.n_layers)->default_value(m.n_layers), "logical layers L")
+      ("group_size", po::value(&m.group_size)->default_value(m.group_size), "physical layers G (shared across depth)")
+      ("n_heads", po::value(&m.n_heads)->default_value(m.n_heads), "attention heads H")
+      ("d_head", po::value(&m.d_head)->default_value(m.d_head), "head width dh")
+      ("att_n_experts", po::value(&m.att_n_experts)->default_value(m.att_n_experts), "attention experts per head")
+      ("att_k", po::value(&m.att_k)->default_value(m.att_k), "attention experts chosen per head")
+      ("ff_n_experts", po::value(&m.ff_n_experts)->default_value(m.ff_n_experts), "FFN experts")
+      ("ff_k", po::value(&m.ff_k)->default_value(m.ff_k), "FFN experts chosen per token")
+      ("ff_expert_size", po::value(&m.ff_expert_size)->default_value(m.ff_expert_size), "FFN expert width")
+      ("entropy_reg", po::value(&m.entropy_reg)->default_value(m.entropy_reg), "FFN routing entropy coefficient")
+      ("att_entropy_reg", po::value(&m.att_entropy_reg)->default_value(m.att_entropy_reg), "attention routing entropy coefficient")
+      ("context", po::value(&m.context)->default_value(m.context), "sequence length T");
+  return o;
+}
+
+po::options_description train_options(TrainConfig& t) {
+  po::options_description o("Training");
+  o.add_options()
+      ("train_data", po::value(&t.train_data), "training token file (docs/DATA.md)")
+      ("val_data", po::value(&t.val_data), "validation token file")
+      ("out_weights", po::value(&t.out_weights)->default_value(t.out_weights), "HDF5 weights written at the end")
+      ("metrics", po::value(&t.metrics)->default_value(t.metrics), "JSON-lines metrics file")
+      ("steps", po::value(&t.steps)->default_value(t.steps), "optimizer steps")
+      ("batch_size", po::value(&t.batch_size)->default_value(t.batch_size), "global batch in sequences")
+      ("micro_batch_size", po::value(&t.micro_batch_size)->default_value(t.micro_batch_size), "sequences per forward/backward")
+      ("lr", po::value(&t.lr)->default_value(t.lr), "peak learning rate")
+      ("min_lr_ratio", po::value(&t.min_lr_ratio)->default_value(t.min_lr_ratio), "final lr as a fraction of lr (cosine)")
+      ("warmup_steps", po::value(&t.warmup_steps)->default_value(t.warmup_steps), "linear warm-up steps")
+      ("weight_decay", po::value(&t.weight_decay)->default_value(t.weight_decay), "AdamW weight decay")
+      ("adam_beta1", po::value(&t.adam_beta1)->default_value(t.adam_beta1), "AdamW beta1")
+      ("adam_beta2", po::value(&t.adam_beta2)->default_value(t.adam_beta2), "AdamW beta2")
+      ("adam_eps", po::value(&t.adam_eps)->default_value(t.adam_eps), "AdamW epsilon")
+      ("grad_clip", po::value(&t.grad_clip)->default_value(t.grad_clip), "global gradient-norm clip (0: off)")
+      ("seed", po::value(&t.seed)->default_value(t.seed), "seed of initialisation and data order")
+      ("eval_every", po::value(&t.eval_every)->default_value(t.eval_every), "steps between validation reports (0: off)")
+      ("eval_batches", po::value(&t.eval_batches)->default_value(t.eval_batches), "validation micro-batches per periodic report")
+      ("threads", po::value(&t.threads)->default_value(t.threads), "CPU threads (0: OpenMP default)");
+  return o;
+}
+
+void parse_file(const std::string& path, const po::options_description& desc, po::variables_map& vm) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError("cannot read config file '" + path + "'");
+  try {
+    po::store(po::parse_config_file(in, desc), vm);
+  } catch (const po::error& e) {
+    throw ConfigError("config file '" + path + "': " + e.what());
+  }
+}
+
+}  // namespace
+
+void validate(const ModelConfig& m) {
+  require_positive("n_tokens", m.n_tokens);
+  require_positive("d_model", m.d_model);
+  require_positive("n_layers", m.n_layers);
+  require_positive("group_size", m.group_size);
+  require_positive("n_heads", m.n_heads);
+  require_positive("d_head", m.d_head);
+  require_positive("att_n_experts", m.att_n_experts);
+  require_positive("att_k", m.att_k);
+  require_positive("ff_n_experts", m.ff_n_experts);
+  require_positive("ff_k", m.ff_k);
+  require_positive("ff_expert_size", m.ff_expert_size);
+  require_positive("context", m.context);
+  if (m.n_tokens > (int64_t(1) << 31) - 1) fail("n_tokens", "must fit a 32-bit token id");
+  if (m.n_layers % m.group_size != 0)
+    fail("n_layers", "must be divisible by group_size (" + std::to_string(m.n_layers) + " % " +
+                         std::to_string(m.group_size) + " != 0)");
+  if (m.att_k > m.att_n_experts)
+    fail("att_k", "must not exceed att_n_experts (" + std::to_string(m.att_k) + " > " + std::to_string(m.att_n_experts) + ")");
+  if (m.ff_k > m.ff_n_experts)
+    fail("ff_k", "must not exceed ff_n_experts (" + std::to_string(m.ff_k) + " > " + std::to_string(m.ff_n_experts) + ")");
+  if (m.rope_dims() < 2)
+    fail("d_head", "must be at least 4, so that RoPE rotates an even number (>= 2) of dimensions (got " +
+                       std::to_string(m.d_head) + ")");
+  require_range("entropy_reg", m.entropy_reg, 0, INFINITY, "must be finite and >= 0");
+  require_range("att_entropy_reg", m.att_entropy_reg, 0, INFINITY, "must be finite and >= 0");
+}
+
+void validate(const Config& c) {
+  validate(c.model);
+  const TrainConfig& t = c.train;
+  require_positive("steps", t.steps);
+  require_positive("batch_size", t.batch_size);
+  require_positive("micro_batch_size", t.micro_batch_size);
+  if (t.batch_size % t.micro_batch_size != 0)
+    fail("batch_size", "must be a multiple of micro_batch_size (" + std::to_string(t.batch_size) + " % " +
+                           std::to_string(t.micro_batch_size) + " != 0)");
+  require_range("lr", t.lr, 1e-300, INFINITY, "must be finite and > 0");
+  require_range("min_lr_ratio", t.min_lr_ratio, 0, 1, "must be in [0, 1]");
+  if (t.warmup_steps < 0) fail("warmup_steps", "must be >= 0");
+  require_range("weight_decay", t.weight_decay, 0, INFINITY, "must be finite and >= 0");
+  require_range("adam_beta1", t.adam_beta1, 0, 0.999999999, "must be in [0, 1)");
+  require_range("adam_beta2", t.adam_beta2, 0, 0.999999999, "must be in [0, 1)");
+  require_range("adam_eps", t.adam_eps, 1e-300, INFINITY, "must be finite and > 0");
+  require_range("grad_clip", t.grad_clip, 0, INFINITY, "must be finite and >= 0 (0 disables clipping)");
+  if (t.eval_every < 0) fail("eval_every", "must be >= 0 (0 disables)");
+  require_positive("eval_batches", t.eval_batches);
+  if (t.threads < 0) fail("threads", "must be >= 0 (0: OpenMP default)");
+  if (t.train_data.empty()) fail("train_data", "is required");
+  if (t.val_data.empty()) fail("val_data", "is required");
+  if (t.out_weights.empty()) fail("out_weights", "must not be empty");
+}
+
+bool parse_train_args(int argc, const char* const* argv, Config& out) {
+  Config c;
+  std::string config_path;
+  po::options_description general("General");
+  general.add_options()("help,h", "show this help")("config", po::value(&config_path), "profile file, e.g. configs/tiny.cfg");
+  po::options_description file_options;
+  file_options.add(model_options(c.model)).add(train_options(c.train));
+  po::options_description all;
+  all.add(general).add(file_options);
+  po::variables_map vm;
+  try {
+    // The command line is stored first: Boost keeps the first value it sees, so it overrides
+    // the file.
+    po::store(po::parse_command_line(argc, argv, all), vm);
+    if (vm.count("help")) {
+      std::cout << "usage: " << argv[0] << " [--config FILE] [--option value ...]\n" << all << "\n";
+      return false;
+    }
+    if (vm.count("config")) parse_file(vm["config"].as<std::string>(), file_options, vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw ConfigError(std::string("command line: ") + e.what());
+  }
+  validate(c);
+  out = c;
+  return true;
+}
+
+Config load_config_file(const std::string& path) {
+  Config c;
+  po::options_description file_options;
+  file_options.add(model_options(c.model)).add(train_options(c.train));
+  po::variables_map vm;
+  parse_file(path, file_options, vm);
+  po::notify(vm);
+  validate(c.model);
+  return c;
+}
+
+}  // namespace moeut

@@ -1,0 +1,76 @@
+// Model and training configuration: read from a config file plus command-line overrides
+// (Boost.Program_options), every value validated with an error naming the option and the rule.
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace moeut {
+
+// Names follow the official MoEUT constructor's arguments; they are also the attribute names of
+// an exported weights file.
+struct ModelConfig {
+  int64_t n_tokens = 8000;       // vocabulary size V
+  int64_t d_model = 128;         // d
+  int64_t n_layers = 4;          // L, logical layers
+  int64_t group_size = 2;        // G, physical layers shared across depth
+  int64_t n_heads = 4;           // H
+  int64_t d_head = 32;           // dh
+  int64_t att_n_experts = 4;     // Ea, per head
+  int64_t att_k = 2;             // ka
+  int64_t ff_n_experts = 32;     // Ef
+  int64_t ff_k = 4;              // kf
+  int64_t ff_expert_size = 128;  // es
+  double entropy_reg = 0.01;     // gamma, FFN selection entropy coefficient
+  double att_entropy_reg = 0.001;  // delta, attention selection entropy coefficient
+  int64_t context = 128;         // T, training sequence length
+
+  int64_t repeats() const { return n_layers / group_size; }
+  // Dimensions of each head that get RoPE: half of dh, rounded down to even.
+  int64_t rope_dims() const { return (d_head / 2) - (d_head / 2) % 2; }
+};
+
+struct TrainConfig {
+  std::string train_data;        // token file (docs/DATA.md)
+  std::string val_data;
+  std::string out_weights = "runs/weights.h5";
+  std::string metrics = "runs/metrics.jsonl";
+  int64_t steps = 100;
+  int64_t batch_size = 16;       // global batch, sequences of `context` tokens
+  int64_t micro_batch_size = 8;  // sequences per forward/backward (gradient accumulation)
+  double lr = 2.5e-4;
+  double min_lr_ratio = 0.1;     // cosine decays to this multiple of lr
+  int64_t warmup_steps = 10;
+  double weight_decay = 0.01;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  double grad_clip = 0.25;       // global L2 norm; 0 disables
+  uint64_t seed = 1;
+  int64_t eval_every = 50;       // steps between validation reports; 0 disables
+  int64_t eval_batches = 8;      // micro-batches of the validation file per periodic report
+  int64_t threads = 0;           // CPU threads; 0 keeps OpenMP's default
+};
+
+struct Config {
+  ModelConfig model;
+  TrainConfig train;
+};
+
+// Thrown for any invalid configuration; what() names the option and the rule it breaks.
+struct ConfigError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void validate(const ModelConfig& m);
+void validate(const Config& c);
+
+// Parses `--config FILE` (optional) and the command line; command-line values override the file.
+// Returns false when --help was asked (help text already printed).
+bool parse_train_args(int argc, const char* const* argv, Config& out);
+
+// The configuration of a profile file, e.g. configs/tiny.cfg, with no command-line overrides.
+Config load_config_file(const std::string& path);
+
+}  // namespace moeut

@@ -1,0 +1,84 @@
+// MoEUT (../shared/spec/MOEUT.md) on the CPU: explicit forward and backward, activations kept
+// per logical layer in buffers planned for the batch shape, gradients of a physical layer
+// summed over all its uses. T is float for training, double for gradient checks.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/config.h"
+#include "core/params.h"
+#include "kernels/cvmm.h"
+
+namespace moeut {
+
+// Mean losses of one batch: cross-entropy per predicted token, and the two regularisers
+// (already multiplied by their coefficients, summed over physical layers).
+struct LossParts {
+  double ce = 0, reg_ffn = 0, reg_att = 0;
+  double total() const { return ce + reg_ffn + reg_att; }
+};
+
+template <typename T>
+class Model {
+ public:
+  explicit Model(const ModelConfig& config);
+
+  const ModelConfig& config() const { return cfg_; }
+  const ParamLayout& layout() const { return layout_; }
+  T* param(const std::string& name) { return params.data() + layout_.at(name).offset; }
+  T* grad(const std::string& name) { return grads.data() + layout_.at(name).offset; }
+
+  void init(uint64_t seed);  // the spec's initialisation
+
+  // tokens: [B, context + 1]; positions 0..context-1 are the input, 1..context the targets.
+  // Accumulates into grads the gradient of weight * (mean CE + regularisers) of this batch, so
+  // micro-batches of a global batch each pass weight = their share of its sequences.
+  LossParts forward_backward(const int32_t* tokens, int64_t B, double weight);
+
+  // Sum of the cross-entropy over the B * context predictions (no regularisers, no gradients).
+  double forward_ce_sum(const int32_t* tokens, int64_t B);
+
+  std::vector<T> params, grads;
+
+ private:
+  // What the backward pass of logical layer l needs, saved by its forward pass.
+  struct LayerActs {
+    std::vector<T> xn1, mean1, rstd1;        // LN1 of the residual entering the layer
+    std::vector<T> q, k, v, probs, heads;    // attention ([N, H*dh]; probs [B, H, T, T])
+    std::vector<T> zv, zo, wv, wo;           // value/output routing logits and weights
+    std::vector<int32_t> iv, io;
+    CvmmSelection sel_v, sel_o;
+    std::vector<T> x_mid;                    // residual after attention
+    std::vector<T> xn2, mean2, rstd2;
+    std::vector<T> z, w_ff;                  // FFN routing logits [N, Ef] and weights [N, kf]
+    std::vector<int32_t> i_ff;
+    CvmmSelection sel_up, sel_down;
+    std::vector<T> hidden;                   // [N*kf, es] after ReLU
+    std::vector<T> dz_reg_v, dz_reg_o, dz_reg_ff;  // regulariser gradients w.r.t. the logits
+  };
+  // Gradient buffers reused by every layer's backward pass.
+  struct Scratch {
+    std::vector<T> dres, dxn, dq, dk, dv, dheads, dz_att, dw_att, dz_ff, dw_ff, dhidden, dxf;
+    std::vector<T> logits;
+    CvmmWorkspace<T> cvmm;
+  };
+
+  void plan(int64_t B);
+  void forward(const int32_t* tokens, int64_t B);
+  void attention_forward(int64_t l);
+  void ffn_forward(int64_t l);
+  LossParts regularisers(double weight);
+  void ffn_backward(int64_t l, T* dx);
+  void attention_backward(int64_t l, T* dx);
+
+  ModelConfig cfg_;
+  ParamLayout layout_;
+  int64_t B_ = 0;                   // batch the buffers are planned for
+  std::vector<int32_t> inputs_, targets_;
+  std::vector<std::vector<T>> xs_;  // residual stream entering each layer, and the final one
+  std::vector<LayerActs> acts_;
+  std::vector<T> xf_, mean_f_, rstd_f_;  // output LayerNorm
+  Scratch s_;
+};
+
+}  // namespace moeut

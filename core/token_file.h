@@ -1,0 +1,46 @@
+// Tokenised data files (format in docs/DATA.md): a fixed header followed by little-endian token
+// ids, read by memory-mapping so that a multi-gigabyte corpus costs no load time.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+
+namespace moeut {
+
+// Thrown for a missing, truncated or malformed token file; what() names the file and the problem.
+struct DataError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class TokenFile {
+ public:
+  explicit TokenFile(const std::string& path);  // maps the file; throws DataError
+  ~TokenFile();
+  TokenFile(TokenFile&& other) noexcept;
+  TokenFile& operator=(TokenFile&& other) noexcept;
+  TokenFile(const TokenFile&) = delete;
+  TokenFile& operator=(const TokenFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint32_t vocab_size() const { return vocab_size_; }
+  uint64_t size() const { return count_; }  // number of tokens
+  uint32_t at(uint64_t i) const;            // token i, i < size()
+  // Copies tokens [begin, begin + out.size()) into out; throws DataError when out of range.
+  void read(uint64_t begin, std::span<int32_t> out) const;
+
+ private:
+  std::string path_;
+  uint32_t vocab_size_ = 0;
+  uint32_t token_bytes_ = 0;  // 2 or 4
+  uint64_t count_ = 0;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const unsigned char* tokens_ = nullptr;
+};
+
+// Writes a token file atomically (temporary name, then rename). uint16 tokens when vocab_size
+// fits, else uint32. Throws DataError when a token is not below vocab_size or on I/O failure.
+void write_token_file(const std::string& path, uint32_t vocab_size, std::span<const uint32_t> tokens);
+
+}  // namespace moeut

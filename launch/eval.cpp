@@ -1,0 +1,55 @@
+// moeut-eval: mean cross-entropy and perplexity of an interchange weights file on a token file.
+#include <omp.h>
+
+#include <boost/program_options.hpp>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+
+#include "checkpoints/weights_file.h"
+#include "core/trainer.h"
+
+namespace po = boost::program_options;
+
+int main(int argc, char** argv) {
+  using namespace moeut;
+  std::string weights_path, data_path;
+  int64_t context = 1024, batch = 8, max_windows = 0, threads = 0;
+  po::options_description opts("moeut-eval options");
+  opts.add_options()("help,h", "show this help")
+      ("weights", po::value(&weights_path)->required(), "HDF5 weights file (interchange format)")
+      ("data", po::value(&data_path)->required(), "token file (docs/DATA.md)")
+      ("context", po::value(&context)->default_value(context), "window length T")
+      ("micro_batch_size", po::value(&batch)->default_value(batch), "windows per forward pass")
+      ("max_windows", po::value(&max_windows)->default_value(max_windows), "evaluate at most this many windows (0: all)")
+      ("threads", po::value(&threads)->default_value(threads), "CPU threads (0: OpenMP default)");
+  try {
+    po::variables_map vm;
+    po::store(po::parse_command_line(argc, argv, opts), vm);
+    if (vm.count("help")) {
+      std::cout << opts << "\n";
+      return 0;
+    }
+    po::notify(vm);
+    if (context <= 0 || batch <= 0 || max_windows < 0 || threads < 0)
+      throw ConfigError("context and micro_batch_size must be positive; max_windows and threads >= 0");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moeut-eval: %s\n%s", e.what(), "run with --help for the options\n");
+    return 2;
+  }
+  try {
+    if (threads > 0) omp_set_num_threads(int(threads));
+    Weights w = read_weights(weights_path);
+    w.config.context = context;
+    Model<float> model(w.config);
+    model.params = std::move(w.params);
+    const TokenFile data = open_data(data_path, "data", w.config);
+    const double loss = evaluate(model, data, batch, max_windows);
+    std::printf("eval %s on %s | context %lld | loss %.6f | ppl %.2f\n", weights_path.c_str(), data_path.c_str(),
+                (long long)context, loss, std::exp(loss));
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moeut-eval: error: %s\n", e.what());
+    return 1;
+  }
+}

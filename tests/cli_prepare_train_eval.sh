@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The executables as a user chains them: prepare data from text, train, evaluate the exported
+# weights; the evaluation must print the training's final validation loss again. Also checks
+# that bad data input is refused with a message naming the file.
+# Usage: cli_prepare_train_eval.sh BIN_DIR WORK_DIR
+set -euo pipefail
+bin=$1 work=$2
+rm -rf "$work" && mkdir -p "$work"
+
+# Deterministic text: 2000 sentences over a small vocabulary, with some order to learn.
+awk 'BEGIN { srand(7); split("the a cat dog sees chases big small red blue runs sleeps on under mat tree", w, " ");
+             for (i = 0; i < 2000; i++) { n = 4 + int(rand() * 6); s = "";
+               for (j = 0; j < n; j++) s = s (j ? " " : "") w[1 + (i * 3 + j * 5 + int(rand() * 3)) % 16];
+               print s "." } }' > "$work/text.txt"
+
+if "$bin/moeut-prepare-data" --input "$work/missing.txt" --out_dir "$work/data" 2> "$work/err.txt"; then
+  echo "FAIL: a missing input file was accepted"; exit 1
+fi
+grep -q "missing.txt" "$work/err.txt" || { echo "FAIL: error does not name the file:"; cat "$work/err.txt"; exit 1; }
+
+"$bin/moeut-prepare-data" --input "$work/text.txt" --out_dir "$work/data" --vocab_size 48 --threads 1 | tee "$work/prep.txt"
+grep -q "unigram perplexity (validation):" "$work/prep.txt"
+
+"$bin/moeut-train" --config "$(dirname "$0")/../configs/tiny.cfg" --n_tokens 48 --d_model 32 --n_heads 2 \
+  --d_head 16 --ff_n_experts 8 --ff_k 2 --ff_expert_size 16 --context 32 --steps 4 --batch_size 4 \
+  --micro_batch_size 2 --eval_every 2 --eval_batches 1 --threads 1 \
+  --train_data "$work/data/train.bin" --val_data "$work/data/val.bin" \
+  --out_weights "$work/weights.h5" --metrics "$work/metrics.jsonl" | tee "$work/train.txt"
+[ "$(grep -c '"step"' "$work/metrics.jsonl")" -eq 6 ] || { echo "FAIL: metrics file lines"; exit 1; }
+
+trained=$(sed -n 's/^final validation .*val_loss \([0-9.]*\).*/\1/p' "$work/train.txt")
+"$bin/moeut-eval" --weights "$work/weights.h5" --data "$work/data/val.bin" --context 32 --threads 1 | tee "$work/eval.txt"
+evaluated=$(sed -n 's/^eval .*| loss \([0-9.]*\) .*/\1/p' "$work/eval.txt")
+[ -n "$trained" ] && [ "$trained" = "$evaluated" ] || { echo "FAIL: training said '$trained', eval said '$evaluated'"; exit 1; }
+
+if "$bin/moeut-eval" --weights "$work/weights.h5" --data "$work/text.txt" --context 32 2> "$work/err.txt"; then
+  echo "FAIL: a text file was accepted as token data"; exit 1
+fi
+grep -q "text.txt: bad magic" "$work/err.txt" || { echo "FAIL: unclear error:"; cat "$work/err.txt"; exit 1; }
+echo "PASS: validation loss $trained reproduced by moeut-eval"
