@@ -63,7 +63,8 @@ po::options_description train_options(TrainConfig& t) {
       ("seed", po::value(&t.seed)->default_value(t.seed), "seed of initialisation and data order")
       ("eval_every", po::value(&t.eval_every)->default_value(t.eval_every), "steps between validation reports (0: off)")
       ("eval_batches", po::value(&t.eval_batches)->default_value(t.eval_batches), "validation micro-batches per periodic report")
-      ("threads", po::value(&t.threads)->default_value(t.threads), "CPU threads (0: OpenMP default)");
+      ("threads", po::value(&t.threads)->default_value(t.threads), "CPU threads (0: OpenMP default)")
+      ("ep", po::value(&t.ep)->default_value(t.ep), "expert-parallel group size: ranks that share one copy of the FFN experts");
   return o;
 }
 
@@ -127,6 +128,7 @@ void validate(const Config& c) {
   if (t.eval_every < 0) fail("eval_every", "must be >= 0 (0 disables)");
   require_positive("eval_batches", t.eval_batches);
   if (t.threads < 0) fail("threads", "must be >= 0 (0: OpenMP default)");
+  require_positive("ep", t.ep);
   if (t.train_data.empty()) fail("train_data", "is required");
   if (t.val_data.empty()) fail("val_data", "is required");
   if (t.out_weights.empty()) fail("out_weights", "must not be empty");

@@ -11,7 +11,6 @@
 #include "kernels/gemm.h"
 #include "kernels/layernorm.h"
 #include "kernels/lm_head_ce.h"
-#include "kernels/relu.h"
 #include "kernels/rope.h"
 #include "kernels/routing.h"
 
@@ -62,7 +61,13 @@ void build_selection(CvmmSelection& sel, const int32_t* index, int64_t n, int64_
 
 template <typename T>
 Model<T>::Model(const ModelConfig& config)
-    : cfg_((validate(config), config)), layout_(cfg_) {
+    : Model(config, expert_shard(config.ff_n_experts, 1, 0)) {
+  dispatcher_ = std::make_unique<LocalDispatcher<T>>(cfg_.ff_n_experts);
+}
+
+template <typename T>
+Model<T>::Model(const ModelConfig& config, ExpertShard shard)
+    : cfg_((validate(config), config)), layout_(cfg_, shard) {
   params.assign(size_t(layout_.total()), T(0));
   grads.assign(size_t(layout_.total()), T(0));
 }
@@ -78,14 +83,25 @@ void Model<T>::init(uint64_t seed) {
       for (int64_t i = 0; i < t.numel; ++i) x[i] = T(bound * (2.0 * rng.uniform() - 1.0));
     };
     const std::string& n = t.name;
+    if (t.expert) {
+      // One stream per expert, so that a rank holding a shard draws the same values as a
+      // process holding them all. FFN keys and values are plain normals.
+      const int64_t per_expert = t.numel / layout_.shard().count;
+      const double std = n.ends_with("ffn.values") ? c / std::sqrt(double(cfg_.ff_n_experts * cfg_.ff_expert_size))
+                                                   : c / std::sqrt(d);
+      for (int64_t e = 0; e < layout_.shard().count; ++e) {
+        Rng expert_rng(hash_mix(hash_mix(seed, hash_string(n)), uint64_t(layout_.shard().begin + e)));
+        for (int64_t i = 0; i < per_expert; ++i) x[e * per_expert + i] = T(std * expert_rng.normal());
+      }
+      continue;
+    }
     auto ends = [&](const char* suffix) { return n.ends_with(suffix); };
     if (n == "embedding.weight") normal(1.0 / std::sqrt(d));
     else if (n.starts_with("lm_head.")) uniform(1.0 / std::sqrt(d));
     else if (ends("norm.weight") || ends("ln1.weight") || ends("ln2.weight")) std::fill_n(x, t.numel, T(1));
     else if (ends("norm.bias") || ends("ln1.bias") || ends("ln2.bias")) std::fill_n(x, t.numel, T(0));
-    else if (ends("ffn.values")) normal(c / std::sqrt(double(cfg_.ff_n_experts * cfg_.ff_expert_size)));
     else if (ends("attention.o")) normal(c / std::sqrt(double(cfg_.n_heads * cfg_.d_head)));
-    else normal(c / std::sqrt(d));  // expert_sel, keys, sel_v, sel_o, q, k, v
+    else normal(c / std::sqrt(d));  // expert_sel, sel_v, sel_o, q, k, v
 
     const int64_t rows = t.shape[0], width = t.numel / rows;
     if (ends("ffn.expert_sel")) {
@@ -136,7 +152,6 @@ void Model<T>::plan(int64_t B) {
     for (auto* v : {&a.z, &a.dz_reg_ff}) resize(*v, N * Ef);
     resize(a.w_ff, N * kf);
     resize(a.i_ff, N * kf);
-    resize(a.hidden, N * kf * cfg_.ff_expert_size);
   }
   for (auto* v : {&xf_, &s_.dxn, &s_.dxf, &s_.dres}) resize(*v, N * d);
   for (auto* v : {&mean_f_, &rstd_f_}) resize(*v, N);
@@ -145,7 +160,6 @@ void Model<T>::plan(int64_t B) {
   resize(s_.dw_att, N * hk);
   resize(s_.dz_ff, N * Ef);
   resize(s_.dw_ff, N * kf);
-  resize(s_.dhidden, N * kf * cfg_.ff_expert_size);
 }
 
 template <typename T>
@@ -188,22 +202,20 @@ void Model<T>::ffn_forward(int64_t l) {
   LayerActs& a = acts_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts;
-  const int64_t kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  const int64_t kf = cfg_.ff_k;
   layernorm_forward(a.xn2.data(), a.mean2.data(), a.rstd2.data(), a.x_mid.data(),
                     param(p + "ln2.weight"), param(p + "ln2.bias"), N, d);
   gemm(false, true, N, Ef, d, T(1), a.xn2.data(), d, param(p + "ffn.expert_sel"), d, T(0), a.z.data(), Ef);
   topk_sigmoid_forward(a.i_ff.data(), a.w_ff.data(), a.z.data(), N, 1, Ef, kf);
-  // Up: one hidden row per (token, choice); down: back into the token's row, weighted.
-  build_selection(a.sel_up, a.i_ff.data(), N, 1, Ef, kf,
-                  [](int64_t t, int64_t, int64_t) { return t; },
-                  [](int64_t, int64_t, int64_t i) { return i; });
-  a.sel_down = a.sel_up;
-  std::swap(a.sel_down.in_row, a.sel_down.out_row);
-  zero(a.hidden);
-  cvmm_forward(a.hidden.data(), a.x_mid.data(), param(p + "ffn.keys"), static_cast<const T*>(nullptr), a.sel_up, d, es, s_.cvmm);
-  relu_forward(a.hidden.data(), int64_t(a.hidden.size()));
   std::copy(a.x_mid.begin(), a.x_mid.end(), xs_[l + 1].begin());
-  cvmm_forward(xs_[l + 1].data(), a.hidden.data(), param(p + "ffn.values"), a.w_ff.data(), a.sel_down, es, d, s_.cvmm);
+  dispatcher_->forward(l, a.x_mid.data(), a.i_ff.data(), a.w_ff.data(), N, kf, expert_params(l), xs_[l + 1].data());
+}
+
+template <typename T>
+ExpertParams<T> Model<T>::expert_params(int64_t l) {
+  const std::string p = layer_prefix(l % cfg_.group_size);
+  return {param(p + "ffn.keys"), param(p + "ffn.values"), grad(p + "ffn.keys"), grad(p + "ffn.values"),
+          cfg_.d_model, cfg_.ff_expert_size};
 }
 
 template <typename T>
@@ -257,15 +269,10 @@ void Model<T>::ffn_backward(int64_t l, T* dx) {
   LayerActs& a = acts_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts;
-  const int64_t kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  const int64_t kf = cfg_.ff_k;
   // dx holds d/d(layer output); the FFN input is the raw x_mid, so the expert gradient adds
   // straight onto the residual gradient.
-  zero(s_.dhidden);
-  cvmm_backward(s_.dhidden.data(), grad(p + "ffn.values"), s_.dw_ff.data(), dx, a.hidden.data(),
-                param(p + "ffn.values"), a.w_ff.data(), a.sel_down, es, d, s_.cvmm);
-  relu_backward(s_.dhidden.data(), s_.dhidden.data(), a.hidden.data(), int64_t(a.hidden.size()));
-  cvmm_backward(dx, grad(p + "ffn.keys"), static_cast<T*>(nullptr), s_.dhidden.data(), a.x_mid.data(),
-                param(p + "ffn.keys"), static_cast<const T*>(nullptr), a.sel_up, d, es, s_.cvmm);
+  dispatcher_->backward(l, dx, dx, s_.dw_ff.data(), expert_params(l));
   std::copy(a.dz_reg_ff.begin(), a.dz_reg_ff.end(), s_.dz_ff.begin());
   topk_sigmoid_backward(s_.dz_ff.data(), s_.dw_ff.data(), a.i_ff.data(), a.w_ff.data(), N, 1, Ef, kf);
   gemm(true, false, Ef, d, N, T(1), s_.dz_ff.data(), Ef, a.xn2.data(), d, T(1), grad(p + "ffn.expert_sel"), d);

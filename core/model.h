@@ -7,6 +7,7 @@
 
 #include "core/config.h"
 #include "core/params.h"
+#include "core/token_dispatcher.h"
 #include "kernels/cvmm.h"
 
 namespace moeut {
@@ -21,7 +22,11 @@ struct LossParts {
 template <typename T>
 class Model {
  public:
+  // Holds the FFN experts of `shard` (all of them by default). A model holding only a shard
+  // needs a dispatcher that reaches the other shards (set_dispatcher) before it runs.
   explicit Model(const ModelConfig& config);
+  Model(const ModelConfig& config, ExpertShard shard);
+  void set_dispatcher(std::unique_ptr<TokenDispatcher<T>> d) { dispatcher_ = std::move(d); }
 
   const ModelConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
@@ -52,13 +57,11 @@ class Model {
     std::vector<T> xn2, mean2, rstd2;
     std::vector<T> z, w_ff;                  // FFN routing logits [N, Ef] and weights [N, kf]
     std::vector<int32_t> i_ff;
-    CvmmSelection sel_up, sel_down;
-    std::vector<T> hidden;                   // [N*kf, es] after ReLU
     std::vector<T> dz_reg_v, dz_reg_o, dz_reg_ff;  // regulariser gradients w.r.t. the logits
   };
   // Gradient buffers reused by every layer's backward pass.
   struct Scratch {
-    std::vector<T> dres, dxn, dq, dk, dv, dheads, dz_att, dw_att, dz_ff, dw_ff, dhidden, dxf;
+    std::vector<T> dres, dxn, dq, dk, dv, dheads, dz_att, dw_att, dz_ff, dw_ff, dxf;
     std::vector<T> logits;
     CvmmWorkspace<T> cvmm;
   };
@@ -70,15 +73,17 @@ class Model {
   LossParts regularisers(double weight);
   void ffn_backward(int64_t l, T* dx);
   void attention_backward(int64_t l, T* dx);
+  ExpertParams<T> expert_params(int64_t l);
 
   ModelConfig cfg_;
   ParamLayout layout_;
-  int64_t B_ = 0;                   // batch the buffers are planned for
+  int64_t B_ = -1;                  // batch the buffers are planned for (a rank may run B = 0)
   std::vector<int32_t> inputs_, targets_;
   std::vector<std::vector<T>> xs_;  // residual stream entering each layer, and the final one
   std::vector<LayerActs> acts_;
   std::vector<T> xf_, mean_f_, rstd_f_;  // output LayerNorm
   Scratch s_;
+  std::unique_ptr<TokenDispatcher<T>> dispatcher_;
 };
 
 }  // namespace moeut

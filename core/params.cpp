@@ -1,12 +1,20 @@
 #include "core/params.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace moeut {
 
 std::string layer_prefix(int64_t g) { return "transformer.layers." + std::to_string(g) + "."; }
 
-ParamLayout::ParamLayout(const ModelConfig& m) {
+ExpertShard expert_shard(int64_t n_experts, int64_t ranks, int64_t rank) {
+  const int64_t base = n_experts / ranks, extra = n_experts % ranks;
+  return {rank * base + std::min(rank, extra), base + (rank < extra ? 1 : 0)};
+}
+
+ParamLayout::ParamLayout(const ModelConfig& m) : ParamLayout(m, expert_shard(m.ff_n_experts, 1, 0)) {}
+
+ParamLayout::ParamLayout(const ModelConfig& m, ExpertShard shard) : shard_(shard) {
   const int64_t d = m.d_model, V = m.n_tokens, hd = m.n_heads * m.d_head;
   const int64_t he = m.n_heads * m.att_n_experts, E = m.ff_n_experts, es = m.ff_expert_size;
   auto add = [&](std::string name, std::vector<int64_t> shape, bool expert = false) {
@@ -34,12 +42,13 @@ ParamLayout::ParamLayout(const ModelConfig& m) {
   add("lm_head.weight", {V, d});
   add("lm_head.bias", {V});
   for (int64_t g = 0; g < m.group_size; ++g) {
-    add(layer_prefix(g) + "ffn.keys", {E, d, es}, true);
-    add(layer_prefix(g) + "ffn.values", {E, es, d}, true);
+    add(layer_prefix(g) + "ffn.keys", {shard.count, d, es}, true);
+    add(layer_prefix(g) + "ffn.values", {shard.count, es, d}, true);
   }
   for (auto& t : tensors_) {
     t.offset = total_;
     total_ += t.numel;
+    if (!t.expert) replicated_ = total_;
   }
 }
 

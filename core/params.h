@@ -19,16 +19,29 @@ struct TensorSpec {
   bool expert = false;  // FFN expert weights: sharded by expert in expert parallelism
 };
 
+// The FFN experts [begin, begin + count) of every physical layer that one process holds.
+struct ExpertShard {
+  int64_t begin = 0, count = 0;
+};
+// Contiguous split of n_experts over `ranks`; the first n_experts % ranks ranks hold one more
+// (565 over 8: five ranks of 71, three of 70).
+ExpertShard expert_shard(int64_t n_experts, int64_t ranks, int64_t rank);
+
 class ParamLayout {
  public:
-  explicit ParamLayout(const ModelConfig& m);
-  const std::vector<TensorSpec>& tensors() const { return tensors_; }
+  explicit ParamLayout(const ModelConfig& m);  // every expert
+  ParamLayout(const ModelConfig& m, ExpertShard shard);  // expert tensors hold only the shard
+  const std::vector<TensorSpec>& tensors() const& { return tensors_; }
+  void tensors() && = delete;  // a temporary layout would leave the reference dangling
   const TensorSpec& at(const std::string& name) const;  // throws std::out_of_range
   int64_t total() const { return total_; }
+  int64_t replicated() const { return replicated_; }  // elements before the first expert tensor
+  const ExpertShard& shard() const { return shard_; }
 
  private:
   std::vector<TensorSpec> tensors_;
-  int64_t total_ = 0;
+  int64_t total_ = 0, replicated_ = 0;
+  ExpertShard shard_;
 };
 
 std::string layer_prefix(int64_t g);  // "transformer.layers.{g}."

@@ -44,7 +44,8 @@ int main(int argc, char** argv) {
     Model<float> model(w.config);
     model.params = std::move(w.params);
     const TokenFile data = open_data(data_path, "data", w.config);
-    const double loss = evaluate(model, data, batch, max_windows);
+    SelfCommunicator world("world");
+    const double loss = evaluate(model, data, batch, max_windows, world);
     std::printf("eval %s on %s | context %lld | loss %.6f | ppl %.2f\n", weights_path.c_str(), data_path.c_str(),
                 (long long)context, loss, std::exp(loss));
     return 0;

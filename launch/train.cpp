@@ -1,25 +1,45 @@
-// moeut-train: trains a MoEUT profile on the CPU and writes the interchange weights file.
+// moeut-train: trains a MoEUT profile, in one process or over MPI ranks
+// (mpirun -np N moeut-train --ep E ...), and writes the interchange weights file.
+#include <mpi.h>
+
 #include <cstdio>
 #include <exception>
 
 #include "checkpoints/weights_file.h"
 #include "core/trainer.h"
+#include "parallel/mpi_communicator.h"
 
 int main(int argc, char** argv) {
   using namespace moeut;
+  MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int status = 0;
   try {
     Config config;
-    if (!parse_train_args(argc, argv, config)) return 0;
-    Trainer trainer(config);
-    trainer.run();
-    write_weights(config.train.out_weights, config.model, trainer.model().params.data());
-    std::printf("weights written to %s\n", config.train.out_weights.c_str());
-    return 0;
+    if (parse_train_args(argc, argv, config)) {
+      const ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, int(config.train.ep));
+      Trainer trainer(config, groups);
+      trainer.run();
+      const std::vector<float> params = trainer.full_parameters();
+      if (rank == 0) {
+        write_weights(config.train.out_weights, config.model, params.data());
+        std::printf("weights written to %s\n", config.train.out_weights.c_str());
+      }
+    }
   } catch (const ConfigError& e) {
-    std::fprintf(stderr, "moeut-train: %s\n", e.what());
-    return 2;
+    // Every rank reads the same configuration and refuses it alike, before any collective.
+    if (rank == 0) std::fprintf(stderr, "moeut-train: %s\n", e.what());
+    status = 2;
+  } catch (const std::invalid_argument& e) {  // a layout that cannot be built, e.g. --ep
+    if (rank == 0) std::fprintf(stderr, "moeut-train: invalid configuration: %s\n", e.what());
+    status = 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "moeut-train: error: %s\n", e.what());
-    return 1;
+    // Possibly this rank alone: the others may be waiting in a collective, so stop them all.
+    std::fprintf(stderr, "moeut-train: rank %d: error: %s\n", rank, e.what());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
   }
+  MPI_Finalize();
+  return status;
 }

@@ -4,7 +4,8 @@
 
 #include <cmath>
 
-#include "core/optimizer.h"
+#include "core/schedule.h"
+#include "parallel/sharded_optimizer.h"
 #include "kernels/adamw.h"
 #include "kernels/grad_norm.h"
 
@@ -58,15 +59,22 @@ TEST(LearningRate, WarmupThenCosineToTheMinimum) {
   for (int64_t s = 11; s < 111; ++s) EXPECT_LT(learning_rate(s, t), learning_rate(s - 1, t));
 }
 
-TEST(AdamWOptimizer, ClipsByGlobalNormAndReportsTheNormBeforeClipping) {
+TEST(ShardedAdamW, OneProcessClipsByGlobalNormAndReportsTheNormBeforeClipping) {
   TrainConfig t;
   t.grad_clip = 1.0;
   t.weight_decay = 0;
-  std::vector<float> p = {0.f, 0.f}, g = {3.f, 4.f};
-  AdamW opt(2);
+  ModelConfig m;
+  m.n_tokens = 2; m.d_model = 1; m.n_layers = 1; m.group_size = 1; m.n_heads = 1; m.d_head = 4;
+  m.att_n_experts = 1; m.att_k = 1; m.ff_n_experts = 1; m.ff_k = 1; m.ff_expert_size = 1;
+  const ParamLayout layout(m);
+  std::vector<float> p(size_t(layout.total()), 0.f), g(size_t(layout.total()), 0.f);
+  g[0] = 3.f;
+  g[1] = 4.f;
+  const ProcessGroups groups = ProcessGroups::single();
+  ShardedAdamW opt(layout, groups);
   EXPECT_DOUBLE_EQ(opt.step(p, g, 0.1, t), 5.0);
   EXPECT_EQ(opt.steps_taken(), 1);
-  EXPECT_EQ(opt.state_bytes(), int64_t(4 * sizeof(float)));
+  EXPECT_EQ(opt.state_bytes(), int64_t(2 * layout.total() * sizeof(float)));
   // First Adam step moves each parameter by lr * sign(g) whatever the scale.
   EXPECT_NEAR(p[0], -0.1f, 1e-6);
   EXPECT_NEAR(p[1], -0.1f, 1e-6);

@@ -56,9 +56,10 @@ Config small_run(const std::string& tag) {
 
 TEST(Training, IsDeterministicForASeedAndLearns) {
   Config c = small_run("a");
-  Trainer first(c);
+  const ProcessGroups g = ProcessGroups::single();
+  Trainer first(c, g);
   const double loss_a = first.run();
-  Trainer second(c);
+  Trainer second(c, g);
   const double loss_b = second.run();
   EXPECT_EQ(first.model().params, second.model().params);
   EXPECT_EQ(loss_a, loss_b);
@@ -71,7 +72,8 @@ TEST(Training, MicroBatchSplitDoesNotChangeTheResult) {
   whole.train.steps = split.train.steps = 5;
   whole.train.micro_batch_size = 8;
   split.train.micro_batch_size = 2;
-  Trainer a(whole), b(split);
+  const ProcessGroups g = ProcessGroups::single();
+  Trainer a(whole, g), b(split, g);
   const double la = a.run(), lb = b.run();
   EXPECT_NEAR(la, lb, 1e-5 * std::abs(la));
   double max_rel = 0;
@@ -84,7 +86,8 @@ TEST(Training, MicroBatchSplitDoesNotChangeTheResult) {
 
 TEST(Training, ExportedWeightsEvaluateToTheFinalValidationLoss) {
   const Config c = small_run("export");
-  Trainer trainer(c);
+  const ProcessGroups g = ProcessGroups::single();
+  Trainer trainer(c, g);
   const double final_loss = trainer.run();
   const std::string path = (std::filesystem::path(testing::TempDir()) / "moeut_export.h5").string();
   write_weights(path, c.model, trainer.model().params.data());
@@ -92,7 +95,8 @@ TEST(Training, ExportedWeightsEvaluateToTheFinalValidationLoss) {
   w.config.context = c.model.context;
   Model<float> model(w.config);
   model.params = w.params;
-  const double again = evaluate(model, TokenFile(c.train.val_data), 3 /* another batching */, 0);
+  SelfCommunicator world("world");
+  const double again = evaluate(model, TokenFile(c.train.val_data), 3 /* another batching */, 0, world);
   EXPECT_NEAR(again, final_loss, 1e-12 * final_loss);
 }
 
@@ -100,7 +104,8 @@ TEST(Training, RefusesDataOfAnotherVocabulary) {
   Config c = small_run("vocab");
   c.model.n_tokens = 50;
   try {
-    Trainer t(c);
+    const ProcessGroups g = ProcessGroups::single();
+    Trainer t(c, g);
     ADD_FAILURE() << "accepted data of vocabulary 40 for n_tokens 50";
   } catch (const ConfigError& e) {
     const std::string msg = e.what();
@@ -112,7 +117,8 @@ TEST(Training, RefusesDataOfAnotherVocabulary) {
 TEST(Training, RefusesMissingData) {
   Config c = small_run("missing");
   c.train.val_data = "/no/such/val.bin";
-  EXPECT_THROW(Trainer{c}, DataError);
+  const ProcessGroups g = ProcessGroups::single();
+  EXPECT_THROW((Trainer{c, g}), DataError);
 }
 
 }  // namespace

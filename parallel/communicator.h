@@ -1,0 +1,91 @@
+// Collective communication within one group of ranks. One interface for every backend: MPI for
+// CPU tensors (mpi_communicator.h), a single-process group (here), NCCL for GPU tensors later.
+// Every call's failure throws CommError naming the rank, the group and the operation.
+#pragma once
+#include <cstdint>
+#include <algorithm>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace moeut {
+
+struct CommError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const std::string& name() const = 0;  // what the group holds: "world", "expert-parallel", ...
+
+  virtual void all_reduce_sum(std::span<double> data) = 0;
+  virtual void all_reduce_sum(std::span<float> data) = 0;
+  // send[i] goes to rank i; returns what each rank sent to this one.
+  virtual std::vector<int64_t> all_to_all(std::span<const int64_t> send) = 0;
+  // send holds consecutive blocks of send_counts[i] elements for rank i; recv receives blocks of
+  // recv_counts[i] elements from rank i, in rank order.
+  virtual void all_to_all_v(const float* send, std::span<const int64_t> send_counts, float* recv,
+                            std::span<const int64_t> recv_counts) = 0;
+  virtual void all_to_all_v(const int32_t* send, std::span<const int64_t> send_counts, int32_t* recv,
+                            std::span<const int64_t> recv_counts) = 0;
+  // data holds consecutive chunks of counts[i] elements; sums data over the group and leaves the
+  // sum of chunk rank() in `mine`.
+  virtual void reduce_scatter_sum(std::span<const float> data, std::span<float> mine,
+                                  std::span<const int64_t> counts) = 0;
+  // data holds consecutive chunks of counts[i] elements, chunk rank() filled in by this rank;
+  // afterwards every rank has every chunk.
+  virtual void all_gather_v(std::span<float> data, std::span<const int64_t> counts) = 0;
+};
+
+// The group of one process: every collective is a copy.
+class SelfCommunicator final : public Communicator {
+ public:
+  explicit SelfCommunicator(std::string name) : name_(std::move(name)) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const std::string& name() const override { return name_; }
+  void all_reduce_sum(std::span<double>) override {}
+  void all_reduce_sum(std::span<float>) override {}
+  std::vector<int64_t> all_to_all(std::span<const int64_t> send) override { return {send.begin(), send.end()}; }
+  void all_to_all_v(const float* send, std::span<const int64_t> sc, float* recv, std::span<const int64_t>) override {
+    std::copy_n(send, sc[0], recv);
+  }
+  void all_to_all_v(const int32_t* send, std::span<const int64_t> sc, int32_t* recv,
+                    std::span<const int64_t>) override {
+    std::copy_n(send, sc[0], recv);
+  }
+  void reduce_scatter_sum(std::span<const float> data, std::span<float> mine, std::span<const int64_t>) override {
+    std::copy(data.begin(), data.end(), mine.begin());
+  }
+  void all_gather_v(std::span<float>, std::span<const int64_t>) override {}
+
+ private:
+  std::string name_;
+};
+
+// The groups a run needs, created once at start-up. world: every rank (replicated parameters
+// are synchronised over it). expert_parallel: the `ep` consecutive ranks that together hold all
+// FFN experts and exchange tokens. expert_data_parallel: the ranks holding the same experts
+// (rank % ep equal), over which expert gradients are synchronised.
+struct ProcessGroups {
+  std::unique_ptr<Communicator> world, expert_parallel, expert_data_parallel;
+
+  int ep() const { return expert_parallel->size(); }
+  int dp() const { return world->size(); }  // data-parallel degree of replicated parameters
+  static ProcessGroups single();
+};
+
+inline ProcessGroups ProcessGroups::single() {
+  ProcessGroups g;
+  g.world = std::make_unique<SelfCommunicator>("world");
+  g.expert_parallel = std::make_unique<SelfCommunicator>("expert-parallel");
+  g.expert_data_parallel = std::make_unique<SelfCommunicator>("expert-data-parallel");
+  return g;
+}
+
+}  // namespace moeut

@@ -1,0 +1,110 @@
+#include "parallel/mpi_communicator.h"
+
+#include <limits>
+#include <numeric>
+
+namespace moeut {
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name) : comm_(comm), name_(std::move(name)) {
+  // Errors come back as return codes and are reported with the rank and the group.
+  check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  if (comm_ != MPI_COMM_WORLD && comm_ != MPI_COMM_SELF && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+void MpiCommunicator::check(int rc, const char* op) const {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw CommError(std::string(op) + " failed on rank " + std::to_string(rank_) + " of group '" + name_ +
+                  "' (size " + std::to_string(size_) + "): " + std::string(text, size_t(len)));
+}
+
+std::vector<int> MpiCommunicator::to_int(std::span<const int64_t> counts, const char* op) const {
+  std::vector<int> out(counts.size());
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (counts[i] < 0 || counts[i] > std::numeric_limits<int>::max())
+      throw CommError(std::string(op) + " on rank " + std::to_string(rank_) + " of group '" + name_ +
+                      "': count " + std::to_string(counts[i]) + " does not fit an MPI int");
+    out[i] = int(counts[i]);
+  }
+  return out;
+}
+
+void MpiCommunicator::all_reduce_sum(std::span<double> data) {
+  check(MPI_Allreduce(MPI_IN_PLACE, data.data(), int(data.size()), MPI_DOUBLE, MPI_SUM, comm_), "MPI_Allreduce");
+}
+
+void MpiCommunicator::all_reduce_sum(std::span<float> data) {
+  check(MPI_Allreduce(MPI_IN_PLACE, data.data(), int(data.size()), MPI_FLOAT, MPI_SUM, comm_), "MPI_Allreduce");
+}
+
+std::vector<int64_t> MpiCommunicator::all_to_all(std::span<const int64_t> send) {
+  std::vector<int64_t> recv(static_cast<size_t>(size_));
+  check(MPI_Alltoall(send.data(), 1, MPI_INT64_T, recv.data(), 1, MPI_INT64_T, comm_), "MPI_Alltoall");
+  return recv;
+}
+
+void MpiCommunicator::all_to_all_v(const void* send, std::span<const int64_t> sc, void* recv,
+                                   std::span<const int64_t> rc, MPI_Datatype type, const char* op) {
+  const std::vector<int> scount = to_int(sc, op), rcount = to_int(rc, op);
+  std::vector<int> sdispl(scount.size(), 0), rdispl(rcount.size(), 0);
+  std::exclusive_scan(scount.begin(), scount.end(), sdispl.begin(), 0);
+  std::exclusive_scan(rcount.begin(), rcount.end(), rdispl.begin(), 0);
+  check(MPI_Alltoallv(send, scount.data(), sdispl.data(), type, recv, rcount.data(), rdispl.data(), type, comm_), op);
+}
+
+void MpiCommunicator::all_to_all_v(const float* send, std::span<const int64_t> sc, float* recv,
+                                   std::span<const int64_t> rc) {
+  all_to_all_v(send, sc, recv, rc, MPI_FLOAT, "MPI_Alltoallv(float)");
+}
+
+void MpiCommunicator::all_to_all_v(const int32_t* send, std::span<const int64_t> sc, int32_t* recv,
+                                   std::span<const int64_t> rc) {
+  all_to_all_v(send, sc, recv, rc, MPI_INT32_T, "MPI_Alltoallv(int32)");
+}
+
+void MpiCommunicator::reduce_scatter_sum(std::span<const float> data, std::span<float> mine,
+                                         std::span<const int64_t> counts) {
+  const std::vector<int> c = to_int(counts, "MPI_Reduce_scatter");
+  check(MPI_Reduce_scatter(data.data(), mine.data(), c.data(), MPI_FLOAT, MPI_SUM, comm_), "MPI_Reduce_scatter");
+}
+
+void MpiCommunicator::all_gather_v(std::span<float> data, std::span<const int64_t> counts) {
+  const std::vector<int> c = to_int(counts, "MPI_Allgatherv");
+  std::vector<int> displ(c.size(), 0);
+  std::exclusive_scan(c.begin(), c.end(), displ.begin(), 0);
+  check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, data.data(), c.data(), displ.data(), MPI_FLOAT, comm_),
+        "MPI_Allgatherv");
+}
+
+ProcessGroups mpi_process_groups(MPI_Comm base, int ep) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(base, &rank);
+  MPI_Comm_size(base, &size);
+  if (ep < 1 || size % ep != 0)
+    throw std::invalid_argument("--ep " + std::to_string(ep) + " must divide the number of ranks (" +
+                                std::to_string(size) + ")");
+  auto split = [&](int color, const char* name) {
+    MPI_Comm comm = MPI_COMM_NULL;
+    if (MPI_Comm_split(base, color, rank, &comm) != MPI_SUCCESS)
+      throw CommError(std::string("MPI_Comm_split failed on rank ") + std::to_string(rank) + " creating group '" +
+                      name + "'");
+    return std::make_unique<MpiCommunicator>(comm, name);
+  };
+  ProcessGroups g;
+  MPI_Comm world = MPI_COMM_NULL;
+  if (MPI_Comm_dup(base, &world) != MPI_SUCCESS)
+    throw CommError("MPI_Comm_dup failed on rank " + std::to_string(rank) + " creating group 'world'");
+  g.world = std::make_unique<MpiCommunicator>(world, "world");
+  g.expert_parallel = split(rank / ep, "expert-parallel");
+  g.expert_data_parallel = split(rank % ep, "expert-data-parallel");
+  return g;
+}
+
+}  // namespace moeut

@@ -1,0 +1,209 @@
+// Multi-rank behaviour, run under `mpirun -np N` with --ep=E (tests/CMakeLists.txt): training
+// over N ranks with expert parallelism E equals the single-process run; the all-to-all
+// dispatcher equals local dispatch with skewed routing and with ranks that send nothing; ZeRO-1
+// optimizer state falls as 1/dp.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+
+#include "core/rng.h"
+#include "core/trainer.h"
+#include "parallel/all_to_all_dispatcher.h"
+#include "parallel/mpi_communicator.h"
+#include "parallel/sharded_optimizer.h"
+
+namespace moeut {
+namespace {
+
+int g_ep = 1;  // from --ep=E
+
+int world_rank() { int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
+int world_size() { int s; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }
+
+std::string temp_file(const std::string& name) {
+  return (std::filesystem::path(testing::TempDir()) / ("moeut_mpi" + std::to_string(world_rank()) + "_" + name)).string();
+}
+
+std::string write_stream(const std::string& name, uint32_t V, int64_t n, uint64_t seed) {
+  std::vector<uint32_t> tokens(static_cast<size_t>(n));
+  Rng rng(seed);
+  uint32_t t = 0;
+  for (auto& x : tokens) x = t = rng.uniform() < 0.8 ? (t * 3 + 1) % V : uint32_t(rng.next() % V);
+  const std::string path = temp_file(name);
+  write_token_file(path, V, tokens);
+  return path;
+}
+
+Config small_run() {
+  Config c;
+  ModelConfig& m = c.model;
+  m.n_tokens = 40;
+  m.d_model = 24;
+  m.n_layers = 4;
+  m.group_size = 2;
+  m.n_heads = 2;
+  m.d_head = 8;
+  m.att_n_experts = 3;
+  m.att_k = 2;
+  m.ff_n_experts = 10;  // uneven over 4 ranks: 3, 3, 2, 2
+  m.ff_k = 3;
+  m.ff_expert_size = 8;
+  m.context = 16;
+  TrainConfig& t = c.train;
+  t.train_data = write_stream("train.bin", 40, 20000, 1);
+  t.val_data = write_stream("val.bin", 40, 2000, 2);
+  t.metrics = temp_file("metrics.jsonl");
+  t.steps = 10;
+  t.batch_size = 8;
+  t.micro_batch_size = 2;
+  t.lr = 1e-2;
+  t.warmup_steps = 2;
+  t.eval_every = 0;
+  return c;
+}
+
+double relative(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+
+TEST(Distributed, TrainingEqualsTheSingleProcessRun) {
+  Config c = small_run();
+  const ProcessGroups single = ProcessGroups::single();
+  Trainer reference(c, single);
+  const double ref_val = reference.run();
+  const std::vector<float> ref_params = reference.full_parameters();
+
+  c.train.ep = g_ep;
+  const ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, g_ep);
+  Trainer trainer(c, groups);
+  const double val = trainer.run();
+  const std::vector<float> params = trainer.full_parameters();
+
+  ASSERT_EQ(trainer.losses().size(), reference.losses().size());
+  for (size_t s = 0; s < trainer.losses().size(); ++s)
+    EXPECT_LE(relative(trainer.losses()[s], reference.losses()[s]), 1e-5) << "step " << s + 1;
+  EXPECT_LE(relative(val, ref_val), 1e-5);
+  double worst_loss = 0, worst_param = 0;
+  for (size_t s = 0; s < trainer.losses().size(); ++s)
+    worst_loss = std::max(worst_loss, relative(trainer.losses()[s], reference.losses()[s]));
+  const ParamLayout layout(c.model);
+  for (const TensorSpec& t : layout.tensors()) {
+    double diff = 0, norm = 0;
+    for (int64_t i = t.offset; i < t.offset + t.numel; ++i) {
+      diff += double(params[i] - ref_params[i]) * (params[i] - ref_params[i]);
+      norm += double(ref_params[i]) * ref_params[i];
+    }
+    EXPECT_LE(std::sqrt(diff / norm), 1e-5) << t.name;
+    worst_param = std::max(worst_param, std::sqrt(diff / norm));
+  }
+  if (world_rank() == 0)
+    std::printf("np %d ep %d: largest relative difference to one process: loss %.2e, parameter tensor %.2e\n",
+                world_size(), g_ep, worst_loss, worst_param);
+}
+
+// Each rank routes its own tokens through the all-to-all dispatcher holding a shard of the
+// experts; the reference runs the same tokens through a local dispatcher holding all of them.
+void check_dispatch(int64_t n_tokens, const std::function<int32_t(int64_t t, int64_t j)>& route) {
+  const ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, g_ep);
+  Communicator& ep = *groups.expert_parallel;
+  const int64_t E = 10, k = 3, d = 6, es = 4;
+  const ExpertShard shard = expert_shard(E, ep.size(), ep.rank());
+  Rng rng(42);  // the same full expert weights on every rank
+  std::vector<float> keys(E * d * es), values(E * es * d);
+  for (auto& v : keys) v = float(rng.normal());
+  for (auto& v : values) v = float(rng.normal());
+  Rng mine(1000 + uint64_t(ep.rank()));
+  std::vector<float> x(n_tokens * d), w(n_tokens * k), dy(n_tokens * d);
+  std::vector<int32_t> I(n_tokens * k);
+  for (auto& v : x) v = float(mine.normal());
+  for (auto& v : dy) v = float(mine.normal());
+  for (auto& v : w) v = float(mine.uniform());
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t j = 0; j < k; ++j) I[t * k + j] = route(t, j);
+
+  std::vector<float> dkeys_ref(keys.size(), 0.f), dvalues_ref(values.size(), 0.f);
+  LocalDispatcher<float> local(E);
+  const ExpertParams<float> full{keys.data(), values.data(), dkeys_ref.data(), dvalues_ref.data(), d, es};
+  std::vector<float> y_ref(x.size(), 0.f), dx_ref(x.size(), 0.f), dw_ref(w.size(), 0.f);
+  local.forward(0, x.data(), I.data(), w.data(), n_tokens, k, full, y_ref.data());
+  local.backward(0, dy.data(), dx_ref.data(), dw_ref.data(), full);
+  // Expert gradients sum over every rank's tokens.
+  ep.all_reduce_sum(std::span<float>(dkeys_ref));
+  ep.all_reduce_sum(std::span<float>(dvalues_ref));
+
+  std::vector<float> my_keys(keys.begin() + shard.begin * d * es, keys.begin() + (shard.begin + shard.count) * d * es);
+  std::vector<float> my_values(values.begin() + shard.begin * es * d,
+                               values.begin() + (shard.begin + shard.count) * es * d);
+  std::vector<float> dkeys(my_keys.size(), 0.f), dvalues(my_values.size(), 0.f);
+  const ExpertParams<float> part{my_keys.data(), my_values.data(), dkeys.data(), dvalues.data(), d, es};
+  AllToAllDispatcher a2a(ep, E);
+  std::vector<float> y(x.size(), 0.f), dx(x.size(), 0.f), dw(w.size(), 0.f);
+  a2a.forward(0, x.data(), I.data(), w.data(), n_tokens, k, part, y.data());
+  a2a.backward(0, dy.data(), dx.data(), dw.data(), part);
+
+  for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], y_ref[i], 1e-5f * (1 + std::abs(y_ref[i]))) << i;
+  for (size_t i = 0; i < dx.size(); ++i) ASSERT_NEAR(dx[i], dx_ref[i], 1e-5f * (1 + std::abs(dx_ref[i]))) << i;
+  for (size_t i = 0; i < dw.size(); ++i) ASSERT_NEAR(dw[i], dw_ref[i], 1e-5f * (1 + std::abs(dw_ref[i]))) << i;
+  for (size_t i = 0; i < dkeys.size(); ++i)
+    ASSERT_NEAR(dkeys[i], dkeys_ref[shard.begin * d * es + i], 1e-4f * (1 + std::abs(dkeys_ref[shard.begin * d * es + i])));
+  for (size_t i = 0; i < dvalues.size(); ++i)
+    ASSERT_NEAR(dvalues[i], dvalues_ref[shard.begin * es * d + i], 1e-4f * (1 + std::abs(dvalues_ref[shard.begin * es * d + i])));
+}
+
+TEST(Dispatcher, UniformRoutingMatchesLocalDispatch) {
+  check_dispatch(37, [](int64_t t, int64_t j) { return int32_t((t * 7 + j * 3) % 10); });
+}
+
+TEST(Dispatcher, SkewedRoutingToTheExpertsOfOneRankMatchesLocalDispatch) {
+  // Experts 0..2 belong to expert-parallel rank 0 whatever the group size: every other rank
+  // receives no tokens, and its experts none (their gradients must stay zero).
+  check_dispatch(29, [](int64_t t, int64_t j) { return int32_t((t + j) % 3); });
+}
+
+TEST(Dispatcher, ARankWithNoTokensStillTakesPart) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  check_dispatch(rank % 2 == 1 ? 0 : 23, [](int64_t t, int64_t j) { return int32_t((t * 5 + j * 4) % 10); });
+}
+
+TEST(ShardedOptimizer, StateFallsAsOneOverTheDataParallelDegree) {
+  // Groups of 1, 2, ... ranks carved out of the world: the moments each rank keeps shrink in
+  // proportion.
+  Config c = small_run();
+  const ParamLayout layout(c.model);
+  const int64_t full_bytes = 2 * layout.total() * int64_t(sizeof(float));
+  for (int dp = 1; dp <= world_size(); dp *= 2) {
+    MPI_Comm sub;
+    MPI_Comm_split(MPI_COMM_WORLD, world_rank() / dp, world_rank(), &sub);
+    const ProcessGroups groups = mpi_process_groups(sub, 1);
+    MPI_Comm_free(&sub);
+    ShardedAdamW opt(layout, groups, 1000);
+    const double expected = double(full_bytes) / dp;
+    EXPECT_NEAR(double(opt.state_bytes()), expected, 0.01 * expected) << "dp " << dp;
+    if (world_rank() == 0)
+      std::printf("dp %d: optimizer state %lld bytes per rank (%.3f of one process)\n", dp,
+                  (long long)opt.state_bytes(), double(opt.state_bytes()) / double(full_bytes));
+  }
+}
+
+}  // namespace
+}  // namespace moeut
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i)
+    if (std::strncmp(argv[i], "--ep=", 5) == 0) moeut::g_ep = std::atoi(argv[i] + 5);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) delete testing::UnitTest::GetInstance()->listeners().Release(
+                     testing::UnitTest::GetInstance()->listeners().default_result_printer());
+  const int failed = RUN_ALL_TESTS();
+  // A failure on any rank fails the run.
+  int any = failed;
+  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return any;
+}
