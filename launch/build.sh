@@ -4,6 +4,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/launch/install-deps.sh"
+[ -x /usr/local/cuda/bin/nvcc ] && export CUDACXX=${CUDACXX:-/usr/local/cuda/bin/nvcc}
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 if [ ! -f "$root/build/CMakeCache.txt" ]; then

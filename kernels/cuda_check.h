@@ -1,0 +1,22 @@
+// Checks the result of every CUDA runtime and cuBLAS call: a failure throws with the call, the
+// file and the line.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace moeut::cuda {
+
+[[noreturn]] inline void cuda_fail(cudaError_t e, const char* call, const char* file, int line) {
+  throw std::runtime_error(std::string("CUDA error ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+                           ") in " + call + " at " + file + ":" + std::to_string(line));
+}
+
+}  // namespace moeut::cuda
+
+#define MOEUT_CUDA_CHECK(call)                                                               \
+  do {                                                                                       \
+    const cudaError_t moeut_err_ = (call);                                                   \
+    if (moeut_err_ != cudaSuccess) ::moeut::cuda::cuda_fail(moeut_err_, #call, __FILE__, __LINE__); \
+  } while (0)

@@ -1,0 +1,266 @@
+// cvmm on the GPU: see cvmm_cuda.h. Tensor-core (WMMA, bf16 -> fp32) tiles over the selections
+// of one expert; row gathers happen in the tile loads, weights and scatters in the epilogue.
+#include <mma.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda_check.h"
+#include "kernels/cvmm_cuda.h"
+
+namespace moeut::cuda {
+namespace {
+
+using namespace nvcuda;
+using bf16 = __nv_bfloat16;
+
+constexpr int BM = kCvmmTileRows, BN = 128, BK = 32, kThreads = 128;
+
+__host__ __device__ inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+constexpr int kPadA = 8, kPadC = 4;  // keeps rows 16 bytes apart in banks; ldm multiples for WMMA
+
+__device__ inline void cp_async16(void* smem, const void* gmem) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Copies 8 consecutive bf16 from src (valid: how many of them exist) into dst; 16-byte
+// asynchronous copy when whole and aligned, element by element with zero fill otherwise.
+__device__ inline void load8(bf16* dst, const bf16* src, int valid, bool aligned) {
+  if (valid >= 8 && aligned) {
+    cp_async16(dst, src);
+  } else {
+    for (int i = 0; i < 8; ++i) dst[i] = i < valid ? src[i] : __float2bfloat16(0.f);
+  }
+}
+
+// One block: 64 selections of one expert x 128 output columns. 4 warps, each 32 x 64.
+template <bool kTransW>
+__global__ void __launch_bounds__(kThreads) cvmm_rows_kernel(CvmmPlan plan, CvmmRowsArgs a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int a_stride = BK + kPadA;
+  constexpr int b_rows = kTransW ? BN : BK, b_stride = kTransW ? BK + kPadA : BN + kPadA;
+  bf16* As = reinterpret_cast<bf16*>(smem);                  // [2][BM][a_stride]
+  bf16* Bs = As + 2 * BM * a_stride;                          // [2][b_rows][b_stride]
+  float* Cs = reinterpret_cast<float*>(smem);                 // [BM][BN + kPadC], after the loop
+  __shared__ int32_t s_in[BM], s_out[BM], s_sel[BM];
+
+  const int tile = blockIdx.x, n0 = blockIdx.y * BN;
+  const int e = plan.tile_expert[tile], first = plan.tile_first[tile];
+  const int rows = int(min64(BM, plan.expert_begin[e + 1] - first));
+  const int64_t K = a.K, N = a.N;
+  for (int r = threadIdx.x; r < BM; r += kThreads) {
+    const int s = r < rows ? plan.by_expert[first + r] : -1;
+    s_sel[r] = s;
+    s_in[r] = s >= 0 ? plan.in_row[s] : -1;
+    s_out[r] = s >= 0 ? plan.out_row[s] : -1;
+  }
+  __syncthreads();
+  const bf16* We = a.W + int64_t(e) * K * N;
+  const bool x_aligned = K % 8 == 0, w_aligned = (kTransW ? K : N) % 8 == 0;
+
+  auto load_tiles = [&](int buf, int64_t k0) {
+    bf16* as = As + buf * BM * a_stride;
+    for (int c = threadIdx.x; c < BM * BK / 8; c += kThreads) {  // A: gathered rows
+      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+      const int valid = s_in[r] < 0 ? 0 : int(min64(8, K - (k0 + kc)));
+      load8(as + r * a_stride + kc, a.X + int64_t(max(s_in[r], 0)) * K + k0 + kc, valid, x_aligned);
+    }
+    bf16* bs = Bs + buf * b_rows * b_stride;
+    if constexpr (!kTransW) {  // B[k][n] = W_e[k0 + k][n0 + n]
+      for (int c = threadIdx.x; c < BK * BN / 8; c += kThreads) {
+        const int k = c / (BN / 8), nc = (c % (BN / 8)) * 8;
+        const int valid = k0 + k < K ? int(min64(8, N - (n0 + nc))) : 0;
+        load8(bs + k * b_stride + nc, We + (k0 + k) * N + n0 + nc, valid, w_aligned);
+      }
+    } else {  // stored [n][k]: W_e is [N, K]
+      for (int c = threadIdx.x; c < BN * BK / 8; c += kThreads) {
+        const int n = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+        const int valid = n0 + n < N ? int(min64(8, K - (k0 + kc))) : 0;
+        load8(bs + n * b_stride + kc, We + (n0 + n) * K + k0 + kc, valid, w_aligned);
+      }
+    }
+    cp_async_commit();
+  };
+
+  const int warp = threadIdx.x / 32, wm = (warp / 2) * 32, wn = (warp % 2) * 64;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][4];
+  for (auto& row : acc)
+    for (auto& f : row) wmma::fill_fragment(f, 0.f);
+  using BLayout = std::conditional_t<kTransW, wmma::col_major, wmma::row_major>;
+
+  const int64_t k_tiles = (K + BK - 1) / BK;
+  load_tiles(0, 0);
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    if (kt + 1 < k_tiles) {
+      load_tiles(int((kt + 1) & 1), (kt + 1) * BK);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* as = As + (kt & 1) * BM * a_stride;
+    const bf16* bs = Bs + (kt & 1) * b_rows * b_stride;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, BLayout> fb[4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], as + (wm + 16 * i) * a_stride + kk, a_stride);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const bf16* p = kTransW ? bs + (wn + 16 * j) * b_stride + kk : bs + kk * b_stride + wn + 16 * j;
+        wmma::load_matrix_sync(fb[j], p, b_stride);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+
+  constexpr int c_stride = BN + kPadC;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      wmma::store_matrix_sync(Cs + (wm + 16 * i) * c_stride + wn + 16 * j, acc[i][j], c_stride, wmma::mem_row_major);
+  __syncthreads();
+
+  const int n_valid = int(min64(BN, N - n0));
+  if (a.dweight) {  // two threads per row, 64 columns each, combined by a shuffle
+    const int r = threadIdx.x / 2, half = threadIdx.x % 2;
+    float sum = 0.f;
+    if (s_sel[r] >= 0)
+      for (int n = half * 64; n < min(n_valid, half * 64 + 64); ++n)
+        sum += Cs[r * c_stride + n] * __bfloat162float(a.dot_rows[int64_t(s_out[r]) * N + n0 + n]);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (half == 0 && s_sel[r] >= 0) atomicAdd(a.dweight + s_sel[r], sum);
+  }
+  for (int r = 0; r < rows; ++r) {  // one row at a time: consecutive threads, consecutive columns
+    const float w = a.weight ? a.weight[s_sel[r]] : 1.f;
+    const int64_t base = int64_t(s_out[r]) * N + n0;
+    for (int n = threadIdx.x; n < n_valid; n += kThreads) {
+      const float v = w * Cs[r * c_stride + n];
+      if (a.accumulate) atomicAdd(a.out_f32 + base + n, v);
+      else a.out[base + n] = __float2bfloat16(v);
+    }
+  }
+}
+
+// dW_e[k0.., n0..] += Σ_s A[a_row(s)][k]·w_s·B[b_row(s)][n]: tile 64 (K) x 128 (N) per block,
+// selections taken 32 at a time.
+constexpr int WK = 64, WS = 32;
+__global__ void __launch_bounds__(kThreads) cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a) {
+  __shared__ __align__(128) bf16 At[WS][WK + kPadA];   // rows: selections, cols: k
+  __shared__ __align__(128) bf16 Bt[WS][BN + kPadA];   // rows: selections, cols: n
+  __shared__ __align__(128) float Ct[WK][BN + kPadC];
+  const int64_t K = a.K, N = a.N;
+  const int64_t n_tiles_n = (N + BN - 1) / BN;
+  const int64_t k0 = (blockIdx.x / n_tiles_n) * WK, n0 = (blockIdx.x % n_tiles_n) * BN;
+  const int e = blockIdx.y;
+  const int64_t begin = plan.expert_begin[e], end = plan.expert_begin[e + 1];
+  if (begin == end) return;
+
+  const int warp = threadIdx.x / 32, wm = (warp / 2) * 32, wn = (warp % 2) * 64;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][4];
+  for (auto& row : acc)
+    for (auto& f : row) wmma::fill_fragment(f, 0.f);
+  for (int64_t p0 = begin; p0 < end; p0 += WS) {
+    for (int c = threadIdx.x; c < WS * (WK + BN); c += kThreads) {
+      const int r = c / (WK + BN), col = c % (WK + BN);
+      const int64_t p = p0 + r;
+      float v = 0.f;
+      if (p < end) {
+        const int s = plan.by_expert[p];
+        const int64_t arow = a.a_by_in_row ? plan.in_row[s] : plan.out_row[s];
+        const int64_t brow = a.a_by_in_row ? plan.out_row[s] : plan.in_row[s];
+        if (col < WK) {
+          if (k0 + col < K) v = __bfloat162float(a.A[arow * K + k0 + col]);
+        } else if (n0 + col - WK < N) {
+          v = __bfloat162float(a.B[brow * N + n0 + col - WK]) * (a.weight ? a.weight[s] : 1.f);
+        }
+      }
+      if (col < WK) At[r][col] = __float2bfloat16(v);
+      else Bt[r][col - WK] = __float2bfloat16(v);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < WS; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> fa[2];  // Aᵀ
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb[4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], &At[kk][wm + 16 * i], WK + kPadA);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wmma::load_matrix_sync(fb[j], &Bt[kk][wn + 16 * j], BN + kPadA);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      wmma::store_matrix_sync(&Ct[wm + 16 * i][wn + 16 * j], acc[i][j], BN + kPadC, wmma::mem_row_major);
+  __syncthreads();
+  float* dWe = a.dW + int64_t(e) * K * N;
+  for (int c = threadIdx.x; c < WK * BN; c += kThreads) {
+    const int k = c / BN, n = c % BN;
+    if (k0 + k < K && n0 + n < N) dWe[(k0 + k) * N + n0 + n] += Ct[k][n];
+  }
+}
+
+}  // namespace
+
+namespace {
+
+std::vector<int32_t> tile_list(const CvmmSelection& sel, bool experts) {
+  std::vector<int32_t> out;
+  for (size_t e = 0; e + 1 < sel.expert_begin.size(); ++e)
+    for (int64_t p = sel.expert_begin[e]; p < sel.expert_begin[e + 1]; p += kCvmmTileRows)
+      out.push_back(experts ? int32_t(e) : int32_t(p));
+  return out;
+}
+
+}  // namespace
+
+DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel)
+    : in_row_(sel.in_row), out_row_(sel.out_row), by_expert_(sel.by_expert),
+      tile_expert_(tile_list(sel, true)), tile_first_(tile_list(sel, false)), expert_begin_(sel.expert_begin) {}
+
+CvmmPlan DeviceCvmmPlan::view(bool swapped) const {
+  return {swapped ? out_row_.get() : in_row_.get(), swapped ? in_row_.get() : out_row_.get(), by_expert_.get(),
+          expert_begin_.get(), tile_expert_.get(), tile_first_.get(), int32_t(tile_expert_.size())};
+}
+
+void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
+  if (plan.tiles == 0) return;
+  if (a.accumulate ? !a.out_f32 : !a.out) throw std::invalid_argument("cvmm_rows: output buffer missing");
+  const dim3 grid(unsigned(plan.tiles), unsigned((a.N + BN - 1) / BN));
+  const size_t loop_bytes = sizeof(bf16) * 2 * (BM * (BK + kPadA) + (a.transpose_w ? BN * (BK + kPadA) : BK * (BN + kPadA)));
+  const size_t bytes = std::max(loop_bytes, sizeof(float) * BM * (BN + kPadC));
+  if (a.transpose_w) cvmm_rows_kernel<true><<<grid, kThreads, bytes, stream>>>(plan, a);
+  else cvmm_rows_kernel<false><<<grid, kThreads, bytes, stream>>>(plan, a);
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+}
+
+void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {
+  if (plan.tiles == 0) return;
+  const dim3 grid(unsigned(((a.K + WK - 1) / WK) * ((a.N + BN - 1) / BN)), unsigned(a.n_experts));
+  cvmm_weight_grad_kernel<<<grid, kThreads, 0, stream>>>(plan, a);
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moeut::cuda

@@ -1,0 +1,120 @@
+// moeut-bench-cvmm: TFLOP/s of the CUDA expert kernels at a profile's shapes (default: the 1B
+// profile, 565 experts, top-24, d 1536, expert size 128) beside the bf16 matrix-product peak
+// measured by cuBLAS in the same run.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "kernels/cvmm_cuda.h"
+
+namespace {
+
+using namespace moeut;
+using bf16 = __nv_bfloat16;
+
+// Median milliseconds of fn over `reps` runs after 3 warm-up runs, timed with events.
+double median_ms(const std::function<void()>& fn, int reps = 20) {
+  cudaEvent_t a, b;
+  MOEUT_CUDA_CHECK(cudaEventCreate(&a));
+  MOEUT_CUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<float> ms(static_cast<size_t>(reps));
+  for (auto& m : ms) {
+    MOEUT_CUDA_CHECK(cudaEventRecord(a));
+    fn();
+    MOEUT_CUDA_CHECK(cudaEventRecord(b));
+    MOEUT_CUDA_CHECK(cudaEventSynchronize(b));
+    MOEUT_CUDA_CHECK(cudaEventElapsedTime(&m, a, b));
+  }
+  std::sort(ms.begin(), ms.end());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms[ms.size() / 2];
+}
+
+template <typename T>
+cuda::DeviceBuffer<T> random_device(size_t n, Rng& rng, float scale) {
+  std::vector<T> h(n);
+  for (auto& x : h) x = T(scale * float(rng.normal()));
+  return cuda::DeviceBuffer<T>(h);
+}
+
+double cublas_peak_tflops() {
+  const int n = 8192;
+  Rng rng(5);
+  auto A = random_device<bf16>(size_t(n) * n, rng, 1.f), B = random_device<bf16>(size_t(n) * n, rng, 1.f);
+  cuda::DeviceBuffer<bf16> C{size_t(n) * n};
+  cublasHandle_t h;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
+  const float one = 1.f, zero = 0.f;
+  const double ms = median_ms([&] {
+    if (cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, A.get(), CUDA_R_16BF, n, B.get(), CUDA_R_16BF, n, &zero,
+                     C.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+      throw std::runtime_error("cublasGemmEx failed");
+  });
+  cublasDestroy(h);
+  return 2.0 * n * double(n) * n / (ms * 1e-3) / 1e12;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t tokens = argc > 1 ? std::stoll(argv[1]) : 16384;
+  const int64_t E = 565, k = 24, d = 1536, es = 128, sels = tokens * k;
+  try {
+    const double peak = cublas_peak_tflops();
+    std::printf("bf16 peak (cuBLAS 8192^3): %.1f TFLOP/s\n", peak);
+    Rng rng(1);
+    CvmmSelection up;
+    up.resize(sels);
+    std::vector<float> w(static_cast<size_t>(sels));
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t j = 0; j < k; ++j) {  // uniform routing: k distinct experts per token
+        const int64_t i = t * k + j;
+        up.expert[i] = int32_t((t * 7919 + j * 23) % E);
+        up.in_row[i] = int32_t(t);
+        up.out_row[i] = int32_t(i);
+        w[i] = float(rng.uniform());
+      }
+    up.group(E);
+    CvmmSelection down = up;
+    std::swap(down.in_row, down.out_row);
+    const cuda::DeviceCvmmPlan pu(up), pd(down);
+    auto X = random_device<bf16>(size_t(tokens * d), rng, 1.f), dY = random_device<bf16>(size_t(tokens * d), rng, 1.f);
+    auto Wk = random_device<bf16>(size_t(E * d * es), rng, 0.05f), Wv = random_device<bf16>(size_t(E * es * d), rng, 0.05f);
+    auto H = random_device<bf16>(size_t(sels * es), rng, 1.f), dH = random_device<bf16>(size_t(sels * es), rng, 1.f);
+    cuda::DeviceBuffer<float> gw(w), Yf{size_t(tokens * d)}, dwf{size_t(sels)}, dWk{size_t(E * d * es)}, dWv{size_t(E * es * d)};
+    cuda::DeviceBuffer<bf16> Hout{size_t(sels * es)};
+    const double flop = 2.0 * double(sels) * double(d) * double(es);
+    struct Row { const char* name; std::function<void()> fn; };
+    const std::vector<Row> rows = {
+        {"up      [m,1536]x[1536,128]  gather", [&] { cuda::cvmm_rows(pu.view(), {X.get(), Wk.get(), nullptr, Hout.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0); }},
+        {"down    [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(pd.view(), {H.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, es, d, false, true}, 0); }},
+        {"down dX [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(pd.view(true), {dY.get(), Wv.get(), gw.get(), Hout.get(), nullptr, dwf.get(), H.get(), d, es, true, false}, 0); }},
+        {"down dW [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, 0); }},
+        {"up dX   [m,128]x[128,1536]   scatter", [&] { cuda::cvmm_rows(pu.view(true), {dH.get(), Wk.get(), nullptr, nullptr, Yf.get(), nullptr, nullptr, es, d, true, true}, 0); }},
+        {"up dW   [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, 0); }},
+    };
+    std::printf("%lld tokens, %lld experts, top-%lld (%.0f rows per expert)\n", (long long)tokens, (long long)E,
+                (long long)k, double(sels) / double(E));
+    double total_ms = 0;
+    for (const Row& r : rows) {
+      const double ms = median_ms(r.fn);
+      total_ms += ms;
+      std::printf("  %-40s %8.3f ms  %6.1f TFLOP/s  (%.1f%% of peak)\n", r.name, ms, flop / (ms * 1e-3) / 1e12,
+                  100.0 * flop / (ms * 1e-3) / 1e12 / peak);
+    }
+    std::printf("  all six: %.3f ms, %.1f TFLOP/s\n", total_ms, 6 * flop / (total_ms * 1e-3) / 1e12);
+    MOEUT_CUDA_CHECK(cudaDeviceSynchronize());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moeut-bench-cvmm: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
