@@ -146,6 +146,18 @@ __global__ void __launch_bounds__(kThreads) cvmm_rows_kernel(CvmmPlan plan, Cvmm
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     if (half == 0 && s_sel[r] >= 0) atomicAdd(a.dweight + s_sel[r], sum);
   }
+  if (a.accumulate && N % 4 == 0 && n_valid % 4 == 0) {
+    // Scatter: 32 threads per row, 4 columns each, one 16-byte vector atomic per thread.
+    for (int r = threadIdx.x / 32; r < rows; r += kThreads / 32) {
+      const float w = a.weight ? a.weight[s_sel[r]] : 1.f;
+      float* base = a.out_f32 + int64_t(s_out[r]) * N + n0;
+      for (int n = (threadIdx.x % 32) * 4; n < n_valid; n += 128) {
+        const float* c = Cs + r * c_stride + n;
+        atomicAdd(reinterpret_cast<float4*>(base + n), make_float4(w * c[0], w * c[1], w * c[2], w * c[3]));
+      }
+    }
+    return;
+  }
   for (int r = 0; r < rows; ++r) {  // one row at a time: consecutive threads, consecutive columns
     const float w = a.weight ? a.weight[s_sel[r]] : 1.f;
     const int64_t base = int64_t(s_out[r]) * N + n0;
@@ -158,50 +170,80 @@ __global__ void __launch_bounds__(kThreads) cvmm_rows_kernel(CvmmPlan plan, Cvmm
 }
 
 // dW_e[k0.., n0..] += Σ_s A[a_row(s)][k]·w_s·B[b_row(s)][n]: tile 64 (K) x 128 (N) per block,
-// selections taken 32 at a time.
+// selections taken 32 at a time through a two-stage cp.async pipeline; the routing weight
+// scales the (smaller) A chunk in shared memory once it has landed.
 constexpr int WK = 64, WS = 32;
 __global__ void __launch_bounds__(kThreads) cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a) {
-  __shared__ __align__(128) bf16 At[WS][WK + kPadA];   // rows: selections, cols: k
-  __shared__ __align__(128) bf16 Bt[WS][BN + kPadA];   // rows: selections, cols: n
-  __shared__ __align__(128) float Ct[WK][BN + kPadC];
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int at_stride = WK + kPadA, bt_stride = BN + kPadA, ct_stride = BN + kPadC;
+  bf16* At = reinterpret_cast<bf16*>(smem);   // [2][WS][at_stride]: rows selections, cols k
+  bf16* Bt = At + 2 * WS * at_stride;          // [2][WS][bt_stride]: rows selections, cols n
+  float* Ct = reinterpret_cast<float*>(smem);  // [WK][ct_stride], after the loop
   const int64_t K = a.K, N = a.N;
   const int64_t n_tiles_n = (N + BN - 1) / BN;
   const int64_t k0 = (blockIdx.x / n_tiles_n) * WK, n0 = (blockIdx.x % n_tiles_n) * BN;
   const int e = blockIdx.y;
   const int64_t begin = plan.expert_begin[e], end = plan.expert_begin[e + 1];
   if (begin == end) return;
+  const bool a_aligned = K % 8 == 0, b_aligned = N % 8 == 0;
+
+  auto rows_of = [&](int64_t p, int64_t& arow, int64_t& brow) {
+    const int s = plan.by_expert[p];
+    arow = a.a_by_in_row ? plan.in_row[s] : plan.out_row[s];
+    brow = a.a_by_in_row ? plan.out_row[s] : plan.in_row[s];
+  };
+  auto load_chunk = [&](int buf, int64_t p0) {
+    bf16* at = At + buf * WS * at_stride;
+    bf16* bt = Bt + buf * WS * bt_stride;
+    for (int c = threadIdx.x; c < WS * WK / 8; c += kThreads) {
+      const int r = c / (WK / 8), kc = (c % (WK / 8)) * 8;
+      int64_t arow = 0, brow = 0;
+      const bool live = p0 + r < end;
+      if (live) rows_of(p0 + r, arow, brow);
+      load8(at + r * at_stride + kc, a.A + arow * K + k0 + kc, live ? int(min64(8, K - (k0 + kc))) : 0, a_aligned);
+    }
+    for (int c = threadIdx.x; c < WS * BN / 8; c += kThreads) {
+      const int r = c / (BN / 8), nc = (c % (BN / 8)) * 8;
+      int64_t arow = 0, brow = 0;
+      const bool live = p0 + r < end;
+      if (live) rows_of(p0 + r, arow, brow);
+      load8(bt + r * bt_stride + nc, a.B + brow * N + n0 + nc, live ? int(min64(8, N - (n0 + nc))) : 0, b_aligned);
+    }
+    cp_async_commit();
+  };
 
   const int warp = threadIdx.x / 32, wm = (warp / 2) * 32, wn = (warp % 2) * 64;
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][4];
   for (auto& row : acc)
     for (auto& f : row) wmma::fill_fragment(f, 0.f);
-  for (int64_t p0 = begin; p0 < end; p0 += WS) {
-    for (int c = threadIdx.x; c < WS * (WK + BN); c += kThreads) {
-      const int r = c / (WK + BN), col = c % (WK + BN);
-      const int64_t p = p0 + r;
-      float v = 0.f;
-      if (p < end) {
-        const int s = plan.by_expert[p];
-        const int64_t arow = a.a_by_in_row ? plan.in_row[s] : plan.out_row[s];
-        const int64_t brow = a.a_by_in_row ? plan.out_row[s] : plan.in_row[s];
-        if (col < WK) {
-          if (k0 + col < K) v = __bfloat162float(a.A[arow * K + k0 + col]);
-        } else if (n0 + col - WK < N) {
-          v = __bfloat162float(a.B[brow * N + n0 + col - WK]) * (a.weight ? a.weight[s] : 1.f);
-        }
-      }
-      if (col < WK) At[r][col] = __float2bfloat16(v);
-      else Bt[r][col - WK] = __float2bfloat16(v);
+  load_chunk(0, begin);
+  for (int64_t p0 = begin, chunk = 0; p0 < end; p0 += WS, ++chunk) {
+    const int buf = int(chunk & 1);
+    if (p0 + WS < end) {
+      load_chunk(buf ^ 1, p0 + WS);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
     __syncthreads();
+    bf16* at = At + buf * WS * at_stride;
+    if (a.weight) {  // 4 threads per selection row, 16 columns each
+      const int r = threadIdx.x / 4, c0 = (threadIdx.x % 4) * 16;
+      if (p0 + r < end) {
+        const float w = a.weight[plan.by_expert[p0 + r]];
+        for (int c = c0; c < c0 + 16; ++c) at[r * at_stride + c] = __float2bfloat16(w * __bfloat162float(at[r * at_stride + c]));
+      }
+      __syncthreads();
+    }
+    const bf16* bt = Bt + buf * WS * bt_stride;
 #pragma unroll
     for (int kk = 0; kk < WS; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> fa[2];  // Aᵀ
       wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb[4];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], &At[kk][wm + 16 * i], WK + kPadA);
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], at + kk * at_stride + wm + 16 * i, at_stride);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) wmma::load_matrix_sync(fb[j], &Bt[kk][wn + 16 * j], BN + kPadA);
+      for (int j = 0; j < 4; ++j) wmma::load_matrix_sync(fb[j], bt + kk * bt_stride + wn + 16 * j, bt_stride);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -213,12 +255,12 @@ __global__ void __launch_bounds__(kThreads) cvmm_weight_grad_kernel(CvmmPlan pla
   for (int i = 0; i < 2; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      wmma::store_matrix_sync(&Ct[wm + 16 * i][wn + 16 * j], acc[i][j], BN + kPadC, wmma::mem_row_major);
+      wmma::store_matrix_sync(Ct + (wm + 16 * i) * ct_stride + wn + 16 * j, acc[i][j], ct_stride, wmma::mem_row_major);
   __syncthreads();
   float* dWe = a.dW + int64_t(e) * K * N;
   for (int c = threadIdx.x; c < WK * BN; c += kThreads) {
     const int k = c / BN, n = c % BN;
-    if (k0 + k < K && n0 + n < N) dWe[(k0 + k) * N + n0 + n] += Ct[k][n];
+    if (k0 + k < K && n0 + n < N) dWe[(k0 + k) * N + n0 + n] += Ct[k * ct_stride + n];
   }
 }
 
@@ -259,7 +301,8 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {
   if (plan.tiles == 0) return;
   const dim3 grid(unsigned(((a.K + WK - 1) / WK) * ((a.N + BN - 1) / BN)), unsigned(a.n_experts));
-  cvmm_weight_grad_kernel<<<grid, kThreads, 0, stream>>>(plan, a);
+  const size_t bytes = std::max(sizeof(bf16) * 2 * WS * (WK + kPadA + BN + kPadA), sizeof(float) * WK * (BN + kPadC));
+  cvmm_weight_grad_kernel<<<grid, kThreads, bytes, stream>>>(plan, a);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
