@@ -1,7 +1,13 @@
 // GPU tests skip themselves, visibly, on machines without a GPU (CI).
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "core/rng.h"
 
 namespace moeut {
 
@@ -17,4 +23,38 @@ class GpuTest : public ::testing::Test {
   }
 };
 
+namespace gpu_test {
+
+using bf16 = __nv_bfloat16;
+
+// Values exactly representable in bf16, so CPU reference and GPU kernel see the same inputs.
+inline std::vector<float> random_bf16_values(size_t n, Rng& rng, double scale) {
+  std::vector<float> v(n);
+  for (auto& x : v) x = __bfloat162float(__float2bfloat16(float(scale * rng.normal())));
+  return v;
+}
+
+inline std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
+  return out;
+}
+
+inline std::vector<float> to_float(const std::vector<bf16>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __bfloat162float(v[i]);
+  return out;
+}
+
+// ‖a − b‖ / ‖b‖; NaN anywhere (an unwritten, poisoned output) gives NaN, which fails any bound.
+inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, n = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    d += double(a[i] - b[i]) * (a[i] - b[i]);
+    n += double(b[i]) * b[i];
+  }
+  return std::sqrt(d / n);
+}
+
+}  // namespace gpu_test
 }  // namespace moeut

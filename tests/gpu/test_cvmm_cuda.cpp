@@ -16,35 +16,7 @@ namespace moeut {
 namespace {
 
 using cuda::DeviceBuffer;
-using bf16 = __nv_bfloat16;
-
-std::vector<float> random_bf16_values(size_t n, Rng& rng, double scale) {
-  std::vector<float> v(n);
-  for (auto& x : v) x = __bfloat162float(__float2bfloat16(float(scale * rng.normal())));
-  return v;
-}
-
-std::vector<bf16> to_bf16(const std::vector<float>& v) {
-  std::vector<bf16> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
-  return out;
-}
-
-std::vector<float> to_float(const std::vector<bf16>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = __bfloat162float(v[i]);
-  return out;
-}
-
-// ‖a − b‖ / ‖b‖; NaN anywhere (an unwritten, poisoned output) gives NaN, which fails any bound.
-double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0, n = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    d += double(a[i] - b[i]) * (a[i] - b[i]);
-    n += double(b[i]) * b[i];
-  }
-  return std::sqrt(d / n);
-}
+using namespace gpu_test;
 
 struct Shape {
   int64_t tokens, experts, k, d, es;
@@ -55,7 +27,7 @@ void check(const Shape& s) {
   SCOPED_TRACE("tokens " + std::to_string(s.tokens) + " experts " + std::to_string(s.experts) + " k " +
                std::to_string(s.k) + " d " + std::to_string(s.d) + " es " + std::to_string(s.es) +
                (s.skewed ? " skewed" : ""));
-  Rng rng(uint64_t(s.tokens * 131 + s.d));
+  Rng rng{uint64_t(s.tokens * 131 + s.d)};
   const int64_t n = s.tokens, k = s.k, d = s.d, es = s.es, E = s.experts, sels = n * k;
   const int64_t pool = s.skewed ? std::max<int64_t>(k, E / 4) : E;
   CvmmSelection up, down;

@@ -1,0 +1,19 @@
+// AdamW and the gradient norm on the GPU: fp32 master weights and moments, the bf16 working
+// copy the products read rewritten in the same pass.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/adamw.h"
+
+namespace moeut::cuda {
+
+void adamw_update(float* master, __nv_bfloat16* working, const float* grad, float* m, float* v, int64_t n,
+                  const AdamWHyper& h, int64_t t, double grad_scale, cudaStream_t stream);
+
+// Adds the sum of squares of x[0..n) into *out (device, double).
+void sum_of_squares(double* out, const float* x, int64_t n, cudaStream_t stream);
+
+}  // namespace moeut::cuda

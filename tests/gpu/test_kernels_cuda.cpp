@@ -1,0 +1,112 @@
+// CUDA kernels against their CPU references on random inputs at several sizes: LayerNorm,
+// RoPE, sigmoid top-k routing, AdamW and the gradient norm. Outputs are poisoned first.
+#include <gtest/gtest.h>
+
+#include "gpu_test.h"
+#include "kernels/adamw.h"
+#include "kernels/adamw_cuda.h"
+#include "kernels/device_buffer.h"
+#include "kernels/grad_norm.h"
+#include "kernels/layernorm.h"
+#include "kernels/layernorm_cuda.h"
+#include "kernels/rope.h"
+#include "kernels/rope_cuda.h"
+#include "kernels/routing.h"
+#include "kernels/routing_cuda.h"
+
+namespace moeut {
+namespace {
+
+using cuda::DeviceBuffer;
+using namespace gpu_test;
+
+TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
+  for (auto [n, d] : {std::pair<int64_t, int64_t>{37, 64}, {1000, 412}, {4096, 1536}}) {
+    SCOPED_TRACE("n " + std::to_string(n) + " d " + std::to_string(d));
+    Rng rng{uint64_t(n + d)};
+    const auto x = random_bf16_values(n * d, rng, 2.0), w = random_bf16_values(d, rng, 1.0),
+               b = random_bf16_values(d, rng, 1.0), dout = random_bf16_values(n * d, rng, 1.0),
+               dx0 = random_bf16_values(n * d, rng, 1.0);
+    std::vector<float> out(n * d), mean(n), rstd(n), dx = dx0, dw(d, 0.5f), db(d, -0.5f);
+    layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), n, d);
+    layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), mean.data(), rstd.data(), n, d);
+
+    DeviceBuffer<float> gx(x), gmean(std::vector<float>(n, NAN)), grstd(std::vector<float>(n, NAN)), gdout(dout),
+        gdx(dx0), gdw(std::vector<float>(d, 0.5f)), gdb(std::vector<float>(d, -0.5f));
+    DeviceBuffer<bf16> gw(to_bf16(w)), gb(to_bf16(b)), gout(std::vector<bf16>(n * d, __float2bfloat16(NAN)));
+    cuda::layernorm_forward(gout.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0);
+    cuda::layernorm_backward(gdx.get(), gdw.get(), gdb.get(), gdout.get(), gx.get(), gw.get(), gmean.get(), grstd.get(),
+                             n, d, 0);
+    EXPECT_LE(rel_error(to_float(gout.download()), out), 1e-2) << "output (bf16)";
+    EXPECT_LE(rel_error(gmean.download(), mean), 1e-5) << "mean";
+    EXPECT_LE(rel_error(grstd.download(), rstd), 1e-5) << "rstd";
+    EXPECT_LE(rel_error(gdx.download(), dx), 1e-5) << "input gradient";
+    EXPECT_LE(rel_error(gdw.download(), dw), 1e-4) << "weight gradient";
+    EXPECT_LE(rel_error(gdb.download(), db), 1e-4) << "bias gradient";
+  }
+}
+
+TEST_F(GpuTest, RopeMatchesTheCpuReference) {
+  for (auto [T, dh] : {std::pair<int64_t, int64_t>{1024, 128}, {64, 82}}) {
+    const int64_t B = 2, H = 3, n_rot = (dh / 2) - (dh / 2) % 2, n = B * T * H * dh;
+    SCOPED_TRACE("T " + std::to_string(T) + " dh " + std::to_string(dh));
+    Rng rng{uint64_t(T)};
+    const auto x = random_bf16_values(n, rng, 1.0);
+    std::vector<float> fwd = x, bwd = x;
+    rope_forward(fwd.data(), B, T, H, dh, n_rot);
+    rope_backward(bwd.data(), B, T, H, dh, n_rot);
+    DeviceBuffer<bf16> g1(to_bf16(x)), g2(to_bf16(x));
+    cuda::rope_forward(g1.get(), B, T, H, dh, n_rot, 0);
+    cuda::rope_backward(g2.get(), B, T, H, dh, n_rot, 0);
+    EXPECT_LE(rel_error(to_float(g1.download()), fwd), 1e-2) << "forward";
+    EXPECT_LE(rel_error(to_float(g2.download()), bwd), 1e-2) << "backward";
+  }
+}
+
+TEST_F(GpuTest, SigmoidTopKMatchesTheCpuReference) {
+  struct Case { int64_t n, groups, E, k; };
+  for (const Case& c : {Case{4096, 1, 565, 24}, Case{1000, 6, 12, 2}, Case{300, 1, 40, 32}}) {
+    SCOPED_TRACE("E " + std::to_string(c.E) + " k " + std::to_string(c.k));
+    Rng rng{uint64_t(c.E)};
+    std::vector<float> z(c.n * c.groups * c.E);
+    for (auto& v : z) v = float(rng.normal());
+    for (int64_t i = 0; i < c.n; i += 7) z[i * c.groups * c.E + 1] = z[i * c.groups * c.E];  // ties
+    const int64_t sel = c.n * c.groups * c.k;
+    std::vector<int32_t> idx(sel);
+    std::vector<float> w(sel), dw(sel), dz(z.size(), 0.f);
+    for (auto& v : dw) v = float(rng.normal());
+    topk_sigmoid_forward(idx.data(), w.data(), z.data(), c.n, c.groups, c.E, c.k);
+    topk_sigmoid_backward(dz.data(), dw.data(), idx.data(), w.data(), c.n, c.groups, c.E, c.k);
+    DeviceBuffer<float> gz(z), gw(std::vector<float>(sel, NAN)), gdw(dw), gdz(std::vector<float>(z.size(), 0.f));
+    DeviceBuffer<int32_t> gidx(std::vector<int32_t>(sel, -1));
+    cuda::topk_sigmoid_forward(gidx.get(), gw.get(), gz.get(), c.n, c.groups, c.E, c.k, 0);
+    cuda::topk_sigmoid_backward(gdz.get(), gdw.get(), gidx.get(), gw.get(), c.n, c.groups, c.E, c.k, 0);
+    EXPECT_EQ(gidx.download(), idx) << "indices";
+    EXPECT_LE(rel_error(gw.download(), w), 1e-6) << "weights";
+    EXPECT_LE(rel_error(gdz.download(), dz), 1e-6) << "logit gradient";
+  }
+}
+
+TEST_F(GpuTest, AdamWAndGradientNormMatchTheCpuReference) {
+  const int64_t n = 3'000'001;
+  Rng rng(9);
+  const auto p0 = random_bf16_values(n, rng, 1.0), g = random_bf16_values(n, rng, 0.1);
+  std::vector<float> p = p0, m(n, 0.f), v(n, 0.f);
+  const AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 0.01};
+  for (int64_t t = 1; t <= 3; ++t) adamw_update(p.data(), g.data(), m.data(), v.data(), n, h, t, 0.5);
+  DeviceBuffer<float> gp(p0), gg(g), gm(std::vector<float>(n, 0.f)), gv(std::vector<float>(n, 0.f));
+  DeviceBuffer<bf16> gwork(std::vector<bf16>(n, __float2bfloat16(NAN)));
+  for (int64_t t = 1; t <= 3; ++t) cuda::adamw_update(gp.get(), gwork.get(), gg.get(), gm.get(), gv.get(), n, h, t, 0.5, 0);
+  EXPECT_LE(rel_error(gp.download(), p), 1e-6) << "master weights";
+  EXPECT_LE(rel_error(gm.download(), m), 1e-6) << "first moment";
+  EXPECT_LE(rel_error(gv.download(), v), 1e-6) << "second moment";
+  EXPECT_LE(rel_error(to_float(gwork.download()), p), 1e-2) << "bf16 working copy";
+
+  DeviceBuffer<double> sum(std::vector<double>{0.0});
+  cuda::sum_of_squares(sum.get(), gg.get(), n, 0);
+  const double expect = sum_of_squares(g.data(), n);
+  EXPECT_NEAR(sum.download()[0], expect, 1e-5 * expect);
+}
+
+}  // namespace
+}  // namespace moeut
