@@ -5,7 +5,12 @@
 #include "gpu_test.h"
 #include "kernels/adamw.h"
 #include "kernels/adamw_cuda.h"
+#include "kernels/cross_entropy_cuda.h"
 #include "kernels/device_buffer.h"
+#include "kernels/embedding.h"
+#include "kernels/embedding_cuda.h"
+#include "kernels/entropy_reg.h"
+#include "kernels/entropy_reg_cuda.h"
 #include "kernels/grad_norm.h"
 #include "kernels/layernorm.h"
 #include "kernels/layernorm_cuda.h"
@@ -106,6 +111,82 @@ TEST_F(GpuTest, AdamWAndGradientNormMatchTheCpuReference) {
   cuda::sum_of_squares(sum.get(), gg.get(), n, 0);
   const double expect = sum_of_squares(g.data(), n);
   EXPECT_NEAR(sum.download()[0], expect, 1e-5 * expect);
+}
+
+TEST_F(GpuTest, EntropyRegularisationMatchesTheCpuReference) {
+  struct Case { int64_t B, T, groups, E, R; double coef; };
+  for (const Case& c : {Case{3, 50, 1, 565, 4, 0.01}, Case{2, 100, 6, 12, 9, 0.001}}) {
+    SCOPED_TRACE("groups " + std::to_string(c.groups) + " E " + std::to_string(c.E));
+    Rng rng{uint64_t(c.E)};
+    const int64_t per_use = c.B * c.T * c.groups * c.E;
+    std::vector<std::vector<float>> z(size_t(c.R)), dz(size_t(c.R));
+    std::vector<DeviceBuffer<float>> gz, gdz;
+    std::vector<const float*> uses, guses;
+    std::vector<float*> duses, gduses;
+    for (int64_t r = 0; r < c.R; ++r) {
+      z[r] = random_bf16_values(per_use, rng, 2.0);
+      dz[r] = random_bf16_values(per_use, rng, 1e-3);  // gradients are added onto what is there
+      gz.emplace_back(z[r]);
+      gdz.emplace_back(dz[r]);
+    }
+    for (int64_t r = 0; r < c.R; ++r) {
+      uses.push_back(z[r].data());
+      duses.push_back(dz[r].data());
+      guses.push_back(gz[r].get());
+      gduses.push_back(gdz[r].get());
+    }
+    const double loss = entropy_reg_forward_backward<float>(duses, uses, c.B, c.T, c.groups, c.E, c.coef);
+    DeviceBuffer<double> gloss(std::vector<double>{0.0});
+    cuda::EntropyReg reg(c.B, c.groups, c.E);
+    reg.forward_backward(gduses, guses, c.T, c.coef, gloss.get(), 0);
+    EXPECT_NEAR(gloss.download()[0], loss, 1e-5 * std::abs(loss)) << "loss";
+    for (int64_t r = 0; r < c.R; ++r) EXPECT_LE(rel_error(gdz[r].download(), dz[r]), 1e-4) << "use " << r;
+  }
+}
+
+TEST_F(GpuTest, EmbeddingMatchesTheCpuReference) {
+  const int64_t V = 1000, d = 412, n = 4000;
+  Rng rng{3};
+  const auto table = random_bf16_values(V * d, rng, 1.0), dout = random_bf16_values(n * d, rng, 1.0);
+  std::vector<int32_t> tokens(n);
+  for (auto& t : tokens) t = int32_t(rng.next() % 50);  // many repeats
+  std::vector<float> out(n * d), dtable(V * d, 0.25f);
+  embedding_forward(out.data(), tokens.data(), table.data(), n, d);
+  embedding_backward(dtable.data(), dout.data(), tokens.data(), n, d);
+  DeviceBuffer<bf16> gtable(to_bf16(table));
+  DeviceBuffer<int32_t> gtokens(tokens);
+  DeviceBuffer<float> gout(std::vector<float>(n * d, NAN)), gdout(dout), gdtable(std::vector<float>(V * d, 0.25f));
+  cuda::embedding_forward(gout.get(), gtokens.get(), gtable.get(), n, d, 0);
+  cuda::embedding_backward(gdtable.get(), gdout.get(), gtokens.get(), n, d, 0);
+  EXPECT_EQ(gout.download(), out);
+  EXPECT_LE(rel_error(gdtable.download(), dtable), 1e-6);
+}
+
+TEST_F(GpuTest, CrossEntropyMatchesADoublePrecisionReference) {
+  for (int64_t V : {37, 8000}) {
+    const int64_t m = 300;
+    Rng rng{uint64_t(V)};
+    const auto logits = random_bf16_values(m * V, rng, 3.0);
+    std::vector<int32_t> targets(m);
+    for (auto& t : targets) t = int32_t(rng.next() % uint64_t(V));
+    const float scale = 1.f / 4096.f;
+    std::vector<float> loss(m), grad(m * V);
+    for (int64_t r = 0; r < m; ++r) {
+      const float* z = logits.data() + r * V;
+      double mx = -INFINITY, s = 0;
+      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(z[v]));
+      for (int64_t v = 0; v < V; ++v) s += std::exp(z[v] - mx);
+      const double lse = mx + std::log(s);
+      loss[r] = float(lse - z[targets[r]]);
+      for (int64_t v = 0; v < V; ++v) grad[r * V + v] = float(scale * (std::exp(z[v] - lse) - (v == targets[r])));
+    }
+    DeviceBuffer<float> glogits(logits), gloss(std::vector<float>(m, NAN));
+    DeviceBuffer<int32_t> gtargets(targets);
+    DeviceBuffer<bf16> ggrad(std::vector<bf16>(m * V, __float2bfloat16(NAN)));
+    cuda::cross_entropy(gloss.get(), ggrad.get(), glogits.get(), gtargets.get(), m, V, scale, 0);
+    EXPECT_LE(rel_error(gloss.download(), loss), 1e-5) << "V " << V;
+    EXPECT_LE(rel_error(to_float(ggrad.download()), grad), 1e-2) << "V " << V;
+  }
 }
 
 }  // namespace

@@ -1,0 +1,59 @@
+#include "kernels/cross_entropy_cuda.h"
+#include "kernels/cuda_check.h"
+
+namespace moeut::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ inline float block_reduce(float v, bool is_max, float* scratch) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? fmaxf(v, other) : v + other;
+  }
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = threadIdx.x < kThreads / 32 ? scratch[threadIdx.x] : (is_max ? -INFINITY : 0.f);
+    for (int o = 16; o > 0; o >>= 1) {
+      const float other = __shfl_xor_sync(0xffffffffu, v, o);
+      v = is_max ? fmaxf(v, other) : v + other;
+    }
+    if (threadIdx.x == 0) scratch[0] = v;
+  }
+  __syncthreads();
+  const float out = scratch[0];
+  __syncthreads();
+  return out;
+}
+
+// One block per row.
+__global__ void cross_entropy_kernel(float* row_loss, __nv_bfloat16* dlogits, const float* logits,
+                                     const int32_t* targets, int V, float scale) {
+  __shared__ float scratch[32];
+  const int64_t r = blockIdx.x;
+  const float* z = logits + r * V;
+  float mx = -INFINITY;
+  for (int v = threadIdx.x; v < V; v += kThreads) mx = fmaxf(mx, z[v]);
+  mx = block_reduce(mx, true, scratch);
+  float s = 0.f;
+  for (int v = threadIdx.x; v < V; v += kThreads) s += __expf(z[v] - mx);
+  s = block_reduce(s, false, scratch);
+  const float lse = mx + __logf(s);
+  const int target = targets[r];
+  if (threadIdx.x == 0) row_loss[r] = lse - z[target];
+  if (!dlogits) return;
+  for (int v = threadIdx.x; v < V; v += kThreads)
+    dlogits[r * V + v] = __float2bfloat16(scale * (__expf(z[v] - lse) - (v == target ? 1.f : 0.f)));
+}
+
+}  // namespace
+
+void cross_entropy(float* row_loss, __nv_bfloat16* dlogits, const float* logits, const int32_t* targets, int64_t m,
+                   int64_t V, float grad_scale, cudaStream_t stream) {
+  if (m == 0) return;
+  cross_entropy_kernel<<<unsigned(m), kThreads, 0, stream>>>(row_loss, dlogits, logits, targets, int(V), grad_scale);
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moeut::cuda

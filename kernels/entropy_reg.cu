@@ -1,0 +1,96 @@
+#include <cmath>
+
+#include "kernels/cuda_check.h"
+#include "kernels/entropy_reg_cuda.h"
+
+namespace moeut::cuda {
+namespace {
+
+constexpr int kPositionsPerBlock = 64, kThreads = 256;
+
+// One warp per position: log-sum-exp over the E experts of that position and group.
+__device__ inline float position_lse(const float* z, int E, int lane) {
+  float mx = -INFINITY;
+  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, z[e]);
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float s = 0.f;
+  for (int e = lane; e < E; e += 32) s += __expf(z[e] - mx);
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return mx + __logf(s);
+}
+
+// Sums softmax(z) over the positions of (b, g) into mean[b, g, :]; block (chunk, g, b).
+__global__ void accumulate_mean(float* mean, const float* z, int T, int groups, int E, float inv_S) {
+  extern __shared__ float part[];  // [E]
+  const int g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) part[e] = 0.f;
+  __syncthreads();
+  const int t_end = min(T, int(blockIdx.x + 1) * kPositionsPerBlock);
+  for (int t = int(blockIdx.x) * kPositionsPerBlock + warp; t < t_end; t += kThreads / 32) {
+    const float* zp = z + ((int64_t(b) * T + t) * groups + g) * E;
+    const float lse = position_lse(zp, E, lane);
+    for (int e = lane; e < E; e += 32) atomicAdd(&part[e], __expf(zp[e] - lse) * inv_S);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) atomicAdd(&mean[(int64_t(b) * groups + g) * E + e], part[e]);
+}
+
+// Per (b, g): loss += coef/count · Σ m log m; mean becomes log m + 1 (the entropy's gradient
+// w.r.t. m, up to the factor). One warp per (b, g).
+__global__ void entropy_terms(float* mean, double* loss, int rows, int E, double scale) {
+  const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  float* m = mean + int64_t(r) * E;
+  float h = 0.f;
+  for (int e = lane; e < E; e += 32) {
+    const float lm = __logf(m[e]);
+    h += m[e] * lm;
+    m[e] = lm + 1.f;
+  }
+  for (int o = 16; o > 0; o >>= 1) h += __shfl_xor_sync(0xffffffffu, h, o);
+  if (lane == 0) atomicAdd(loss, scale * double(h));
+}
+
+// dz[s, e] += scale · p[s, e] · (c[e] − Σ_e' p[s, e'] c[e']); one warp per position.
+__global__ void entropy_grad(float* dz, const float* z, const float* c, int64_t positions, int T, int groups, int E,
+                             float scale) {
+  const int64_t pos = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;  // (b, t, g)
+  const int lane = threadIdx.x % 32;
+  if (pos >= positions) return;
+  const int g = int(pos % groups);
+  const int64_t b = pos / groups / T;
+  const float* zp = z + pos * E;
+  const float* cp = c + (b * groups + g) * E;
+  const float lse = position_lse(zp, E, lane);
+  float dot = 0.f;
+  for (int e = lane; e < E; e += 32) dot += __expf(zp[e] - lse) * cp[e];
+  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+  for (int e = lane; e < E; e += 32) dz[pos * E + e] += scale * __expf(zp[e] - lse) * (cp[e] - dot);
+}
+
+}  // namespace
+
+EntropyReg::EntropyReg(int64_t B, int64_t groups, int64_t E)
+    : B_(B), groups_(groups), E_(E), mean_(size_t(B * groups * E)) {}
+
+void EntropyReg::forward_backward(const std::vector<float*>& duses, const std::vector<const float*>& uses, int64_t T,
+                                  double coef, double* loss, cudaStream_t stream) {
+  const int64_t R = int64_t(uses.size()), S = T * R, rows = B_ * groups_;
+  if (rows == 0) return;
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(mean_.get(), 0, mean_.size() * sizeof(float), stream));
+  const dim3 grid(unsigned((T + kPositionsPerBlock - 1) / kPositionsPerBlock), unsigned(groups_), unsigned(B_));
+  for (const float* z : uses)
+    accumulate_mean<<<grid, kThreads, E_ * sizeof(float), stream>>>(mean_.get(), z, int(T), int(groups_), int(E_),
+                                                                     float(1.0 / double(S)));
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+  entropy_terms<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(mean_.get(), loss, int(rows), int(E_), coef / double(rows));
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+  const int64_t positions = B_ * T * groups_;
+  for (int64_t r = 0; r < R; ++r)
+    entropy_grad<<<unsigned((positions + 7) / 8), 256, 0, stream>>>(duses[r], uses[r], mean_.get(), positions, int(T),
+                                                                    int(groups_), int(E_),
+                                                                    float(coef / double(rows) / double(S)));
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moeut::cuda
