@@ -5,6 +5,8 @@
 #include "gpu_test.h"
 #include "kernels/adamw.h"
 #include "kernels/adamw_cuda.h"
+#include "kernels/attention.h"
+#include "kernels/attention_cuda.h"
 #include "kernels/cross_entropy_cuda.h"
 #include "kernels/device_buffer.h"
 #include "kernels/embedding.h"
@@ -187,6 +189,34 @@ TEST_F(GpuTest, CrossEntropyMatchesADoublePrecisionReference) {
     EXPECT_LE(rel_error(gloss.download(), loss), 1e-5) << "V " << V;
     EXPECT_LE(rel_error(to_float(ggrad.download()), grad), 1e-2) << "V " << V;
   }
+}
+
+TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {
+  cublasHandle_t cublas;
+  ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
+  struct Case { int64_t B, T, H, dh; };
+  for (const Case& c : {Case{2, 1024, 2, 128}, Case{3, 100, 4, 82}}) {
+    SCOPED_TRACE("T " + std::to_string(c.T) + " dh " + std::to_string(c.dh));
+    Rng rng{uint64_t(c.T + c.dh)};
+    const int64_t n = c.B * c.T * c.H * c.dh;
+    const auto q = random_bf16_values(n, rng, 0.3), k = random_bf16_values(n, rng, 0.3),
+               v = random_bf16_values(n, rng, 1.0), dout = random_bf16_values(n, rng, 1.0);
+    std::vector<float> out(n), probs(c.B * c.H * c.T * c.T), dq(n), dk(n), dv(n);
+    attention_forward(out.data(), probs.data(), q.data(), k.data(), v.data(), c.B, c.T, c.H, c.dh);
+    attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), probs.data(), q.data(), k.data(), v.data(), c.B,
+                       c.T, c.H, c.dh);
+    const DeviceBuffer<bf16> gq(to_bf16(q)), gk(to_bf16(k)), gv(to_bf16(v)), gdout(to_bf16(dout));
+    const std::vector<bf16> poison(n, __float2bfloat16(NAN));
+    DeviceBuffer<bf16> gout(poison), gdq(poison), gdk(poison), gdv(poison);
+    cuda::CausalAttention att(cublas, c.B, c.T, c.H, c.dh);
+    att.forward(gout.get(), gq.get(), gk.get(), gv.get(), 0);
+    att.backward(gdq.get(), gdk.get(), gdv.get(), gdout.get(), gq.get(), gk.get(), gv.get(), 0);
+    EXPECT_LE(rel_error(to_float(gout.download()), out), 1e-2) << "output";
+    EXPECT_LE(rel_error(to_float(gdq.download()), dq), 1e-2) << "dq";
+    EXPECT_LE(rel_error(to_float(gdk.download()), dk), 1e-2) << "dk";
+    EXPECT_LE(rel_error(to_float(gdv.download()), dv), 1e-2) << "dv";
+  }
+  cublasDestroy(cublas);
 }
 
 }  // namespace

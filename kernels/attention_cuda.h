@@ -1,0 +1,35 @@
+// Causal attention on the GPU (see attention.h for the definition): per (sequence, head), cuBLAS
+// products for the scores and the weighted sum, a fused causal softmax between them. Scores and
+// probabilities live in one workspace for one layer at a time; the backward pass recomputes
+// them from q and k instead of keeping them per layer.
+#pragma once
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/device_buffer.h"
+
+namespace moeut::cuda {
+
+class CausalAttention {
+ public:
+  // q, k, v, out: bf16 [B, T, H, dh]; scale 1 (folded into q and k by the caller).
+  CausalAttention(cublasHandle_t cublas, int64_t B, int64_t T, int64_t H, int64_t dh);
+  void forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+               cudaStream_t stream);
+  // Overwrites dq, dk, dv.
+  void backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
+                const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, cudaStream_t stream);
+
+ private:
+  void scores_and_probs(const __nv_bfloat16* q, const __nv_bfloat16* k, cudaStream_t stream);
+
+  cublasHandle_t cublas_;
+  int64_t B_, T_, H_, dh_;
+  DeviceBuffer<float> scores_;         // [B, H, T, T] fp32; the probability gradient in backward
+  DeviceBuffer<__nv_bfloat16> probs_;  // [B, H, T, T]; the score gradient in backward
+};
+
+}  // namespace moeut::cuda
