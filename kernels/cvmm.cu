@@ -22,6 +22,13 @@ using bf16 = __nv_bfloat16;
 constexpr int BM = kCvmmTileRows, BN = 128, BK = 32, kThreads = 128;
 
 __host__ __device__ inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// 16-byte vector access needs both a row width that keeps rows 16-byte apart (multiple of 8
+// elements) and a 16-byte aligned base: tensors inside one parameter buffer need not start on
+// one.
+__host__ __device__ inline bool vectorizable(const void* base, int64_t width) {
+  return width % 8 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
+}
 constexpr int kPadA = 8, kPadC = 4;  // keeps rows 16 bytes apart in banks; ldm multiples for WMMA
 
 __device__ inline void cp_async16(void* smem, const void* gmem) {
@@ -65,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) cvmm_rows_kernel(CvmmPlan plan, Cvmm
   }
   __syncthreads();
   const bf16* We = a.W + int64_t(e) * K * N;
-  const bool x_aligned = K % 8 == 0, w_aligned = (kTransW ? K : N) % 8 == 0;
+  const bool x_aligned = vectorizable(a.X, K), w_aligned = vectorizable(We, kTransW ? K : N);
 
   auto load_tiles = [&](int buf, int64_t k0) {
     bf16* as = As + buf * BM * a_stride;
@@ -146,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) cvmm_rows_kernel(CvmmPlan plan, Cvmm
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     if (half == 0 && s_sel[r] >= 0) atomicAdd(a.dweight + s_sel[r], sum);
   }
-  if (a.accumulate && N % 4 == 0 && n_valid % 4 == 0) {
+  if (a.accumulate && N % 4 == 0 && n_valid % 4 == 0 && reinterpret_cast<uintptr_t>(a.out_f32) % 16 == 0) {
     // Scatter: 32 threads per row, 4 columns each, one 16-byte vector atomic per thread.
     for (int r = threadIdx.x / 32; r < rows; r += kThreads / 32) {
       const float w = a.weight ? a.weight[s_sel[r]] : 1.f;
@@ -185,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) cvmm_weight_grad_kernel(CvmmPlan pla
   const int e = blockIdx.y;
   const int64_t begin = plan.expert_begin[e], end = plan.expert_begin[e + 1];
   if (begin == end) return;
-  const bool a_aligned = K % 8 == 0, b_aligned = N % 8 == 0;
+  const bool a_aligned = vectorizable(a.A, K), b_aligned = vectorizable(a.B, N);
 
   auto rows_of = [&](int64_t p, int64_t& arow, int64_t& brow) {
     const int s = plan.by_expert[p];

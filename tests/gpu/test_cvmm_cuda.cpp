@@ -20,13 +20,24 @@ using namespace gpu_test;
 
 struct Shape {
   int64_t tokens, experts, k, d, es;
-  bool skewed;  // every token picks among the first quarter of the experts
+  bool skewed;      // every token picks among the first quarter of the experts
+  bool misaligned;  // expert weights start 8 bytes past a 16-byte boundary, as they may inside
+                    // the parameter buffer
 };
+
+// A device copy of v whose first element sits `pad` elements into the allocation.
+std::pair<DeviceBuffer<bf16>, const bf16*> placed(const std::vector<float>& v, size_t pad) {
+  std::vector<float> padded(pad, 0.f);
+  padded.insert(padded.end(), v.begin(), v.end());
+  DeviceBuffer<bf16> buf(to_bf16(padded));
+  const bf16* p = buf.get() + pad;
+  return {std::move(buf), p};
+}
 
 void check(const Shape& s) {
   SCOPED_TRACE("tokens " + std::to_string(s.tokens) + " experts " + std::to_string(s.experts) + " k " +
                std::to_string(s.k) + " d " + std::to_string(s.d) + " es " + std::to_string(s.es) +
-               (s.skewed ? " skewed" : ""));
+               (s.skewed ? " skewed" : "") + (s.misaligned ? " misaligned" : ""));
   Rng rng{uint64_t(s.tokens * 131 + s.d)};
   const int64_t n = s.tokens, k = s.k, d = s.d, es = s.es, E = s.experts, sels = n * k;
   const int64_t pool = s.skewed ? std::max<int64_t>(k, E / 4) : E;
@@ -56,8 +67,9 @@ void check(const Shape& s) {
   const auto X = random_bf16_values(n * d, rng, 1.0), Wk = random_bf16_values(E * d * es, rng, 0.05);
   const auto Wv = random_bf16_values(E * es * d, rng, 0.05), H = random_bf16_values(sels * es, rng, 1.0);
   const auto dY = random_bf16_values(n * d, rng, 1.0), dH = random_bf16_values(sels * es, rng, 1.0);
-  const DeviceBuffer<bf16> gX(to_bf16(X)), gWk(to_bf16(Wk)), gWv(to_bf16(Wv)), gH(to_bf16(H)), gdY(to_bf16(dY)),
-      gdH(to_bf16(dH));
+  const DeviceBuffer<bf16> gX(to_bf16(X)), gH(to_bf16(H)), gdY(to_bf16(dY)), gdH(to_bf16(dH));
+  const auto [keys_buffer, keys] = placed(Wk, s.misaligned ? 4 : 0);
+  const auto [values_buffer, values] = placed(Wv, s.misaligned ? 4 : 0);
   const DeviceBuffer<float> gw(w);
   CvmmWorkspace<float> ws;
 
@@ -65,7 +77,7 @@ void check(const Shape& s) {
     std::vector<float> ref(sels * es, 0.f);
     cvmm_forward(ref.data(), X.data(), Wk.data(), static_cast<const float*>(nullptr), up, d, es, ws);
     DeviceBuffer<bf16> out(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
-    cuda::cvmm_rows(plan_up.view(), {gX.get(), gWk.get(), nullptr, out.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0);
+    cuda::cvmm_rows(plan_up.view(), {gX.get(), keys, nullptr, out.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0);
     EXPECT_LE(rel_error(to_float(out.download()), ref), 1e-2) << "up forward";
   }
   {  // down: Y[t] += Σ w · H[s] · values_e (scatter-added onto a non-zero output)
@@ -73,7 +85,7 @@ void check(const Shape& s) {
     std::vector<float> ref = init;
     cvmm_forward(ref.data(), H.data(), Wv.data(), w.data(), down, es, d, ws);
     DeviceBuffer<float> out(init);
-    cuda::cvmm_rows(plan_down.view(), {gH.get(), gWv.get(), gw.get(), nullptr, out.get(), nullptr, nullptr, es, d, false, true}, 0);
+    cuda::cvmm_rows(plan_down.view(), {gH.get(), values, gw.get(), nullptr, out.get(), nullptr, nullptr, es, d, false, true}, 0);
     EXPECT_LE(rel_error(out.download(), ref), 1e-3) << "down forward";
   }
   {  // down backward: dH = w · dY[t] · values_eᵀ, dw = (dY[t] · values_eᵀ) · H[s], dValues
@@ -83,7 +95,7 @@ void check(const Shape& s) {
     cvmm_backward(dH_ref.data(), dWv_ref.data(), dw_ref.data(), dY.data(), H.data(), Wv.data(), w.data(), down, es, d, ws);
     DeviceBuffer<bf16> gdHout(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
     DeviceBuffer<float> gdw(std::vector<float>(sels, 0.f)), gdWv(dWv_init);
-    cuda::cvmm_rows(plan_down.view(true), {gdY.get(), gWv.get(), gw.get(), gdHout.get(), nullptr, gdw.get(), gH.get(), d, es, true, false}, 0);
+    cuda::cvmm_rows(plan_down.view(true), {gdY.get(), values, gw.get(), gdHout.get(), nullptr, gdw.get(), gH.get(), d, es, true, false}, 0);
     cuda::cvmm_weight_grad(plan_down.view(), {gH.get(), gdY.get(), gw.get(), true, gdWv.get(), es, d, E}, 0);
     EXPECT_LE(rel_error(to_float(gdHout.download()), dH_ref), 1e-2) << "down: input gradient";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "down: routing-weight gradient";
@@ -95,7 +107,7 @@ void check(const Shape& s) {
     cvmm_backward(dX_ref.data(), dWk_ref.data(), static_cast<float*>(nullptr), dH.data(), X.data(), Wk.data(),
                   static_cast<const float*>(nullptr), up, d, es, ws);
     DeviceBuffer<float> gdX(dX_init), gdWk(dWk_init);
-    cuda::cvmm_rows(plan_up.view(true), {gdH.get(), gWk.get(), nullptr, nullptr, gdX.get(), nullptr, nullptr, es, d, true, true}, 0);
+    cuda::cvmm_rows(plan_up.view(true), {gdH.get(), keys, nullptr, nullptr, gdX.get(), nullptr, nullptr, es, d, true, true}, 0);
     cuda::cvmm_weight_grad(plan_up.view(), {gX.get(), gdH.get(), nullptr, true, gdWk.get(), d, es, E}, 0);
     EXPECT_LE(rel_error(gdX.download(), dX_ref), 1e-3) << "up: input gradient";
     EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient";
@@ -104,9 +116,10 @@ void check(const Shape& s) {
 }
 
 TEST_F(GpuTest, CvmmMatchesTheCpuReference) {
-  for (const Shape& s : {Shape{300, 12, 3, 64, 32, false}, Shape{517, 40, 4, 412, 128, true},  // 44M d
-                         Shape{200, 24, 2, 82, 96, false},                                       // 44M dh
-                         Shape{2048, 565, 24, 1536, 128, false}, Shape{1024, 565, 24, 1536, 128, true}})
+  for (const Shape& s : {Shape{300, 12, 3, 64, 32, false, false}, Shape{517, 40, 4, 412, 128, true, false},  // 44M d
+                         Shape{200, 24, 2, 82, 96, false, false},                                              // 44M dh
+                         Shape{300, 12, 3, 64, 32, false, true}, Shape{2048, 565, 24, 1536, 128, false, false},
+                         Shape{1024, 565, 24, 1536, 128, true, false}})
     check(s);
 }
 

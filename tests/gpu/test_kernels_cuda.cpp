@@ -16,6 +16,8 @@
 #include "kernels/grad_norm.h"
 #include "kernels/layernorm.h"
 #include "kernels/layernorm_cuda.h"
+#include "kernels/lm_head_ce.h"
+#include "kernels/lm_head_ce_cuda.h"
 #include "kernels/rope.h"
 #include "kernels/rope_cuda.h"
 #include "kernels/routing.h"
@@ -189,6 +191,33 @@ TEST_F(GpuTest, CrossEntropyMatchesADoublePrecisionReference) {
     EXPECT_LE(rel_error(gloss.download(), loss), 1e-5) << "V " << V;
     EXPECT_LE(rel_error(to_float(ggrad.download()), grad), 1e-2) << "V " << V;
   }
+}
+
+TEST_F(GpuTest, LmHeadCrossEntropyMatchesTheCpuReference) {
+  const int64_t n = 700, d = 96, V = 8000;  // 700 rows cross the 256-row chunks given below
+  Rng rng{11};
+  const auto x = random_bf16_values(n * d, rng, 1.0), W = random_bf16_values(V * d, rng, 0.1),
+             bias = random_bf16_values(V, rng, 0.1);
+  std::vector<int32_t> targets(n);
+  for (auto& t : targets) t = int32_t(rng.next() % uint64_t(V));
+  const float scale = 1.f / float(n);
+  std::vector<float> dx(n * d, 0.f), dW(V * d, 0.f), db(V, 0.f), scratch;
+  std::vector<double> rows(n);
+  lm_head_ce(dx.data(), dW.data(), db.data(), rows.data(), x.data(), W.data(), bias.data(), targets.data(), n, d, V, scale,
+             scratch);
+  cublasHandle_t cublas;
+  ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
+  const DeviceBuffer<bf16> gx(to_bf16(x)), gW(to_bf16(W)), gb(to_bf16(bias));
+  const DeviceBuffer<int32_t> gt(targets);
+  DeviceBuffer<float> gloss(std::vector<float>(n, NAN)), gdx(std::vector<float>(n * d, NAN)),
+      gdW(std::vector<float>(V * d, 0.f)), gdb(std::vector<float>(V, 0.f));
+  cuda::LmHeadCE head(cublas, V, d, 256);
+  head.run(gloss.get(), gdx.get(), gdW.get(), gdb.get(), gx.get(), gW.get(), gb.get(), gt.get(), n, scale, 0);
+  EXPECT_LE(rel_error(gloss.download(), std::vector<float>(rows.begin(), rows.end())), 1e-4) << "row losses";
+  EXPECT_LE(rel_error(gdx.download(), dx), 1e-2) << "input gradient";
+  EXPECT_LE(rel_error(gdW.download(), dW), 1e-2) << "weight gradient";
+  EXPECT_LE(rel_error(gdb.download(), db), 1e-2) << "bias gradient";
+  cublasDestroy(cublas);
 }
 
 TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {

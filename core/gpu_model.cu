@@ -1,0 +1,237 @@
+#include "core/gpu_model.h"
+
+#include <cmath>
+#include <numeric>
+#include <string>
+
+#include "kernels/cuda_check.h"
+#include "kernels/embedding_cuda.h"
+#include "kernels/layernorm_cuda.h"
+#include "kernels/relu_cuda.h"
+#include "kernels/rope_cuda.h"
+#include "kernels/routing_cuda.h"
+
+namespace moeut {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using cuda::DeviceBuffer;
+
+void check_cublas(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS error ") + std::to_string(int(s)) + " in " + what);
+}
+
+// Where an expert product's rows come from and go to (see Model's build_selection).
+enum class Route { kAttentionValue, kAttentionOutput, kFfn };
+
+}  // namespace
+
+struct GpuModel::Layer {
+  DeviceBuffer<bf16> xb, xn1, q, k, v, heads, x_midb, xn2, hidden;
+  DeviceBuffer<float> mean1, rstd1, zv, zo, wv, wo, x_mid, mean2, rstd2, z, w_ff, dz_reg_v, dz_reg_o, dz_reg_ff;
+  DeviceBuffer<int32_t> iv, io, i_ff;
+  std::unique_ptr<cuda::DeviceCvmmPlan> plan_v, plan_o, plan_ff;
+};
+
+GpuModel::GpuModel(const ModelConfig& config, int64_t batch)
+    : cfg_((validate(config), config)), layout_(cfg_), batch_(batch), B_(batch) {
+  MOEUT_CUDA_CHECK(cudaStreamCreate(&stream_));
+  check_cublas(cublasCreate(&cublas_), "cublasCreate");
+  check_cublas(cublasSetStream(cublas_, stream_), "cublasSetStream");
+  const int64_t T = cfg_.context, N = batch * T, d = cfg_.d_model, H = cfg_.n_heads;
+  const int64_t hd = H * cfg_.d_head, he = H * cfg_.att_n_experts, hk = H * cfg_.att_k;
+  const int64_t Ef = cfg_.ff_n_experts, kf = cfg_.ff_k, total = layout_.total();
+  master_ = DeviceBuffer<float>(size_t(total));
+  grads_ = DeviceBuffer<float>(size_t(total));
+  working_ = DeviceBuffer<bf16>(size_t(total));
+  inputs_ = DeviceBuffer<int32_t>(size_t(N));
+  targets_ = DeviceBuffer<int32_t>(size_t(N));
+  for (int64_t l = 0; l <= cfg_.n_layers; ++l) xs_.emplace_back(size_t(N * d));
+  layers_.resize(size_t(cfg_.n_layers));
+  for (Layer& L : layers_) {
+    for (auto* b : {&L.xb, &L.xn1, &L.x_midb, &L.xn2}) *b = DeviceBuffer<bf16>(size_t(N * d));
+    for (auto* b : {&L.q, &L.k, &L.v, &L.heads}) *b = DeviceBuffer<bf16>(size_t(N * hd));
+    L.hidden = DeviceBuffer<bf16>(size_t(N * kf * cfg_.ff_expert_size));
+    for (auto* b : {&L.mean1, &L.rstd1, &L.mean2, &L.rstd2}) *b = DeviceBuffer<float>(size_t(N));
+    for (auto* b : {&L.zv, &L.zo, &L.dz_reg_v, &L.dz_reg_o}) *b = DeviceBuffer<float>(size_t(N * he));
+    for (auto* b : {&L.wv, &L.wo}) *b = DeviceBuffer<float>(size_t(N * hk));
+    for (auto* b : {&L.iv, &L.io}) *b = DeviceBuffer<int32_t>(size_t(N * hk));
+    L.x_mid = DeviceBuffer<float>(size_t(N * d));
+    for (auto* b : {&L.z, &L.dz_reg_ff}) *b = DeviceBuffer<float>(size_t(N * Ef));
+    L.w_ff = DeviceBuffer<float>(size_t(N * kf));
+    L.i_ff = DeviceBuffer<int32_t>(size_t(N * kf));
+  }
+  xf_ = DeviceBuffer<bf16>(size_t(N * d));
+  mean_f_ = DeviceBuffer<float>(size_t(N));
+  rstd_f_ = DeviceBuffer<float>(size_t(N));
+  row_loss_ = DeviceBuffer<float>(size_t(N));
+  vsum_ = DeviceBuffer<float>(size_t(N * hd));
+  reg_loss_ = DeviceBuffer<double>(2);
+  attention_ = std::make_unique<cuda::CausalAttention>(cublas_, batch, T, H, cfg_.d_head);
+  reg_ffn_ = std::make_unique<cuda::EntropyReg>(batch, 1, Ef);
+  reg_att_ = std::make_unique<cuda::EntropyReg>(batch, H, cfg_.att_n_experts);
+  head_ = std::make_unique<cuda::LmHeadCE>(cublas_, cfg_.n_tokens, d);
+}
+
+GpuModel::~GpuModel() {
+  if (cublas_) cublasDestroy(cublas_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+bf16* GpuModel::wparam(const std::string& name) const { return working_.get() + layout_.at(name).offset; }
+float* GpuModel::gparam(const std::string& name) const { return grads_.get() + layout_.at(name).offset; }
+
+void GpuModel::set_parameters(const std::vector<float>& params) {
+  master_.upload(params);
+  cuda::to_bf16(working_.get(), master_.get(), int64_t(params.size()), stream_);
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+std::vector<float> GpuModel::parameters() const {
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return master_.download();
+}
+
+std::vector<float> GpuModel::gradients() const {
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return grads_.download();
+}
+
+void GpuModel::zero_gradients() {
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(grads_.get(), 0, grads_.size() * sizeof(float), stream_));
+}
+
+// y [rows, out] (row-major) = alpha · x [rows, d] · Wᵀ, W [out, d]: column-major y [out, rows].
+void GpuModel::dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out, float alpha, void* y,
+                     cudaDataType y_type) {
+  const float zero = 0.f;
+  const int64_t d = cfg_.d_model;
+  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(rows), int(d), &alpha, wparam(weight),
+                            CUDA_R_16BF, int(d), x, CUDA_R_16BF, int(d), &zero, y, y_type, int(out), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT),
+               weight.c_str());
+}
+
+// Groups one layer's routing decisions by expert (on the host for now: the indices travel to
+// the host and the grouped plan back).
+void GpuModel::plan_experts(std::unique_ptr<cuda::DeviceCvmmPlan>& plan, const int32_t* device_index, int64_t n,
+                            int64_t groups, int64_t E, int64_t k, bool gather) {
+  std::vector<int32_t> index(size_t(n * groups * k));
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(index.data(), device_index, index.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  CvmmSelection sel;
+  sel.resize(int64_t(index.size()));
+  const Route route = groups > 1 ? (gather ? Route::kAttentionValue : Route::kAttentionOutput) : Route::kFfn;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t i = (t * groups + g) * k + j;
+        sel.expert[i] = int32_t(g * E + index[i]);
+        sel.in_row[i] = int32_t(route == Route::kAttentionOutput ? t * groups + g : t);
+        sel.out_row[i] = int32_t(route == Route::kAttentionValue ? t * groups + g : route == Route::kFfn ? i : t);
+      }
+  sel.group(groups * E);
+  plan = std::make_unique<cuda::DeviceCvmmPlan>(sel);
+}
+
+void GpuModel::attention_forward(int64_t l) {
+  Layer& L = layers_[l];
+  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
+  const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
+  const float* x = xs_[l].get();
+  cuda::layernorm_forward(L.xn1.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
+                          d, stream_);
+  cuda::to_bf16(L.xb.get(), x, N * d, stream_);  // the value experts read the raw residual
+  const float s = float(std::pow(double(dh), -0.25));
+  dense(L.xn1.get(), p + "attention.q.weight", N, hd, s, L.q.get(), CUDA_R_16BF);
+  dense(L.xn1.get(), p + "attention.k.weight", N, hd, s, L.k.get(), CUDA_R_16BF);
+  cuda::rope_forward(L.q.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
+  cuda::rope_forward(L.k.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
+  dense(L.xn1.get(), p + "attention.sel_v", N, H * Ea, 1.f, L.zv.get(), CUDA_R_32F);
+  dense(L.xn1.get(), p + "attention.sel_o", N, H * Ea, 1.f, L.zo.get(), CUDA_R_32F);
+  cuda::topk_sigmoid_forward(L.iv.get(), L.wv.get(), L.zv.get(), N, H, Ea, ka, stream_);
+  cuda::topk_sigmoid_forward(L.io.get(), L.wo.get(), L.zo.get(), N, H, Ea, ka, stream_);
+  plan_experts(L.plan_v, L.iv.get(), N, H, Ea, ka, true);
+  plan_experts(L.plan_o, L.io.get(), N, H, Ea, ka, false);
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(vsum_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
+  cuda::cvmm_rows(L.plan_v->view(), {L.xb.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, vsum_.get(), nullptr,
+                                     nullptr, d, dh, false, true}, stream_);
+  cuda::to_bf16(L.v.get(), vsum_.get(), N * hd, stream_);
+  attention_->forward(L.heads.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(L.x_mid.get(), x, size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+  cuda::cvmm_rows(L.plan_o->view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
+                                     nullptr, dh, d, false, true}, stream_);
+}
+
+void GpuModel::ffn_forward(int64_t l) {
+  Layer& L = layers_[l];
+  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  cuda::layernorm_forward(L.xn2.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
+                          wparam(p + "ln2.bias"), N, d, stream_);
+  cuda::to_bf16(L.x_midb.get(), L.x_mid.get(), N * d, stream_);
+  dense(L.xn2.get(), p + "ffn.expert_sel", N, Ef, 1.f, L.z.get(), CUDA_R_32F);
+  cuda::topk_sigmoid_forward(L.i_ff.get(), L.w_ff.get(), L.z.get(), N, 1, Ef, kf, stream_);
+  plan_experts(L.plan_ff, L.i_ff.get(), N, 1, Ef, kf, true);
+  cuda::cvmm_rows(L.plan_ff->view(), {L.x_midb.get(), wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr,
+                                      nullptr, d, es, false, false}, stream_);
+  cuda::relu_forward(L.hidden.get(), N * kf * es, stream_);
+  float* y = xs_[l + 1].get();
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(y, L.x_mid.get(), size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+  cuda::cvmm_rows(L.plan_ff->view(true), {L.hidden.get(), wparam(p + "ffn.values"), L.w_ff.get(), nullptr, y, nullptr,
+                                          nullptr, es, d, false, true}, stream_);
+}
+
+LossParts GpuModel::forward(const int32_t* tokens) {
+  const int64_t B = B_, T = cfg_.context, N = B * T, d = cfg_.d_model;
+  std::vector<int32_t> in(static_cast<size_t>(N)), tg(static_cast<size_t>(N));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      in[b * T + t] = tokens[b * (T + 1) + t];
+      tg[b * T + t] = tokens[b * (T + 1) + t + 1];
+    }
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(inputs_.get(), in.data(), size_t(N) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(targets_.get(), tg.data(), size_t(N) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  cuda::embedding_forward(xs_[0].get(), inputs_.get(), wparam("embedding.weight"), N, d, stream_);
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    attention_forward(l);
+    ffn_forward(l);
+  }
+  cuda::layernorm_forward(xf_.get(), mean_f_.get(), rstd_f_.get(), xs_.back().get(), wparam("out_norm.weight"),
+                          wparam("out_norm.bias"), N, d, stream_);
+  head_->run(row_loss_.get(), nullptr, nullptr, nullptr, xf_.get(), wparam("lm_head.weight"), wparam("lm_head.bias"),
+             targets_.get(), N, 0.f, stream_);
+
+  // Regularisers over the R uses of each physical layer (their logit gradients are kept for the
+  // backward pass).
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(reg_loss_.get(), 0, 2 * sizeof(double), stream_));
+  const int64_t G = cfg_.group_size, R = cfg_.repeats();
+  for (int64_t g = 0; g < G; ++g) {
+    std::vector<const float*> zf, zv, zo;
+    std::vector<float*> dzf, dzv, dzo;
+    for (int64_t r = 0; r < R; ++r) {
+      Layer& L = layers_[r * G + g];
+      for (auto* b : {&L.dz_reg_ff, &L.dz_reg_v, &L.dz_reg_o})
+        MOEUT_CUDA_CHECK(cudaMemsetAsync(b->get(), 0, b->size() * sizeof(float), stream_));
+      zf.push_back(L.z.get()); dzf.push_back(L.dz_reg_ff.get());
+      zv.push_back(L.zv.get()); dzv.push_back(L.dz_reg_v.get());
+      zo.push_back(L.zo.get()); dzo.push_back(L.dz_reg_o.get());
+    }
+    reg_ffn_->forward_backward(dzf, zf, T, cfg_.entropy_reg, reg_loss_.get(), stream_);
+    reg_att_->forward_backward(dzv, zv, T, cfg_.att_entropy_reg, reg_loss_.get() + 1, stream_);
+    reg_att_->forward_backward(dzo, zo, T, cfg_.att_entropy_reg, reg_loss_.get() + 1, stream_);
+  }
+  std::vector<float> rows(static_cast<size_t>(N));
+  std::vector<double> regs(2);
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(rows.data(), row_loss_.get(), size_t(N) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(regs.data(), reg_loss_.get(), 2 * sizeof(double), cudaMemcpyDeviceToHost, stream_));
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  LossParts out;
+  out.ce = std::accumulate(rows.begin(), rows.end(), 0.0) / double(N);
+  out.reg_ffn = regs[0];
+  out.reg_att = regs[1];
+  return out;
+}
+
+}  // namespace moeut

@@ -1,0 +1,69 @@
+// MoEUT on one GPU, mixed precision: bf16 working parameters and activations, fp32 residual
+// stream, fp32 routing logits / LayerNorm statistics / losses, fp32 master weights and
+// gradients. Same parameter layout as Model (core/params.h), so parameters move between the two
+// as one buffer. The forward pass keeps, per logical layer, what the backward pass needs.
+#pragma once
+#include <cublas_v2.h>
+
+#include <memory>
+#include <vector>
+
+#include "core/config.h"
+#include "core/model.h"
+#include "core/params.h"
+#include "kernels/attention_cuda.h"
+#include "kernels/cvmm_cuda.h"
+#include "kernels/device_buffer.h"
+#include "kernels/entropy_reg_cuda.h"
+#include "kernels/lm_head_ce_cuda.h"
+
+namespace moeut {
+
+class GpuModel {
+ public:
+  GpuModel(const ModelConfig& config, int64_t batch);  // buffers planned for `batch` sequences
+  ~GpuModel();
+  GpuModel(const GpuModel&) = delete;
+  GpuModel& operator=(const GpuModel&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  const ParamLayout& layout() const { return layout_; }
+  void set_parameters(const std::vector<float>& params);  // fp32 master and bf16 working copy
+  std::vector<float> parameters() const;
+  std::vector<float> gradients() const;
+  void zero_gradients();
+
+  // tokens (host): [batch, context + 1]. Mean losses of the batch.
+  LossParts forward(const int32_t* tokens);
+
+ private:
+  struct Layer;
+  using bf16 = __nv_bfloat16;
+  bf16* wparam(const std::string& name) const;
+  float* gparam(const std::string& name) const;
+  void attention_forward(int64_t l);
+  void ffn_forward(int64_t l);
+  void dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out_features, float alpha, void* y,
+             cudaDataType y_type);
+  void plan_experts(std::unique_ptr<cuda::DeviceCvmmPlan>& plan, const int32_t* device_index, int64_t n,
+                    int64_t groups, int64_t E, int64_t k, bool gather);
+
+  ModelConfig cfg_;
+  ParamLayout layout_;
+  int64_t batch_, B_;  // B_ == batch_: the attention and regulariser scratch are sized for it
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  cuda::DeviceBuffer<float> master_, grads_;
+  cuda::DeviceBuffer<bf16> working_;
+  cuda::DeviceBuffer<int32_t> inputs_, targets_;
+  std::vector<cuda::DeviceBuffer<float>> xs_;  // residual entering each layer, and the final one
+  std::vector<Layer> layers_;
+  cuda::DeviceBuffer<bf16> xf_;                // output LayerNorm
+  cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_, vsum_;
+  cuda::DeviceBuffer<double> reg_loss_;
+  std::unique_ptr<cuda::CausalAttention> attention_;
+  std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_;
+  std::unique_ptr<cuda::LmHeadCE> head_;
+};
+
+}  // namespace moeut
