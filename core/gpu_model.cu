@@ -1,5 +1,6 @@
 #include "core/gpu_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -67,6 +68,14 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch)
   row_loss_ = DeviceBuffer<float>(size_t(N));
   vsum_ = DeviceBuffer<float>(size_t(N * hd));
   reg_loss_ = DeviceBuffer<double>(2);
+  for (auto* b : {&dres_, &dxn_, &dxf_}) *b = DeviceBuffer<float>(size_t(N * d));
+  dw_ = DeviceBuffer<float>(size_t(N * std::max(kf, hk)));
+  dz_ = DeviceBuffer<float>(size_t(N * std::max(Ef, he)));
+  dzb_ = DeviceBuffer<bf16>(size_t(N * std::max(Ef, he)));
+  dheads_f32_ = DeviceBuffer<float>(size_t(N * hd));
+  dresb_ = DeviceBuffer<bf16>(size_t(N * d));
+  dhidden_ = DeviceBuffer<bf16>(size_t(N * kf * cfg_.ff_expert_size));
+  for (auto* b : {&dheads_, &dq_, &dk_, &dv_}) *b = DeviceBuffer<bf16>(size_t(N * hd));
   attention_ = std::make_unique<cuda::CausalAttention>(cublas_, batch, T, H, cfg_.d_head);
   reg_ffn_ = std::make_unique<cuda::EntropyReg>(batch, 1, Ef);
   reg_att_ = std::make_unique<cuda::EntropyReg>(batch, H, cfg_.att_n_experts);
@@ -183,7 +192,8 @@ void GpuModel::ffn_forward(int64_t l) {
                                           nullptr, es, d, false, true}, stream_);
 }
 
-LossParts GpuModel::forward(const int32_t* tokens) {
+LossParts GpuModel::run(const int32_t* tokens, double weight, bool backward) {
+  if (!(weight > 0)) throw std::invalid_argument("GpuModel: weight must be positive");
   const int64_t B = B_, T = cfg_.context, N = B * T, d = cfg_.d_model;
   std::vector<int32_t> in(static_cast<size_t>(N)), tg(static_cast<size_t>(N));
   for (int64_t b = 0; b < B; ++b)
@@ -200,8 +210,6 @@ LossParts GpuModel::forward(const int32_t* tokens) {
   }
   cuda::layernorm_forward(xf_.get(), mean_f_.get(), rstd_f_.get(), xs_.back().get(), wparam("out_norm.weight"),
                           wparam("out_norm.bias"), N, d, stream_);
-  head_->run(row_loss_.get(), nullptr, nullptr, nullptr, xf_.get(), wparam("lm_head.weight"), wparam("lm_head.bias"),
-             targets_.get(), N, 0.f, stream_);
 
   // Regularisers over the R uses of each physical layer (their logit gradients are kept for the
   // backward pass).
@@ -218,9 +226,23 @@ LossParts GpuModel::forward(const int32_t* tokens) {
       zv.push_back(L.zv.get()); dzv.push_back(L.dz_reg_v.get());
       zo.push_back(L.zo.get()); dzo.push_back(L.dz_reg_o.get());
     }
-    reg_ffn_->forward_backward(dzf, zf, T, cfg_.entropy_reg, reg_loss_.get(), stream_);
-    reg_att_->forward_backward(dzv, zv, T, cfg_.att_entropy_reg, reg_loss_.get() + 1, stream_);
-    reg_att_->forward_backward(dzo, zo, T, cfg_.att_entropy_reg, reg_loss_.get() + 1, stream_);
+    reg_ffn_->forward_backward(dzf, zf, T, weight * cfg_.entropy_reg, reg_loss_.get(), stream_);
+    reg_att_->forward_backward(dzv, zv, T, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, stream_);
+    reg_att_->forward_backward(dzo, zo, T, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, stream_);
+  }
+  // The cross-entropy gradient starts the backward pass at the output LayerNorm.
+  head_->run(row_loss_.get(), backward ? dxf_.get() : nullptr, gparam("lm_head.weight"), gparam("lm_head.bias"),
+             xf_.get(), wparam("lm_head.weight"), wparam("lm_head.bias"), targets_.get(), N, float(weight / double(N)),
+             stream_);
+  if (backward) {
+    MOEUT_CUDA_CHECK(cudaMemsetAsync(dres_.get(), 0, dres_.size() * sizeof(float), stream_));
+    cuda::layernorm_backward(dres_.get(), gparam("out_norm.weight"), gparam("out_norm.bias"), dxf_.get(),
+                             xs_.back().get(), wparam("out_norm.weight"), mean_f_.get(), rstd_f_.get(), N, d, stream_);
+    for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
+      ffn_backward(l);
+      attention_backward(l);
+    }
+    cuda::embedding_backward(gparam("embedding.weight"), dres_.get(), inputs_.get(), N, d, stream_);
   }
   std::vector<float> rows(static_cast<size_t>(N));
   std::vector<double> regs(2);
@@ -229,9 +251,88 @@ LossParts GpuModel::forward(const int32_t* tokens) {
   MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   LossParts out;
   out.ce = std::accumulate(rows.begin(), rows.end(), 0.0) / double(N);
-  out.reg_ffn = regs[0];
-  out.reg_att = regs[1];
+  out.reg_ffn = regs[0] / weight;
+  out.reg_att = regs[1] / weight;
   return out;
+}
+
+void GpuModel::dense_backward(const bf16* dy, const bf16* x, const std::string& weight, int64_t rows, int64_t out,
+                              float alpha, float* dx, bool accumulate) {
+  const int64_t d = cfg_.d_model;
+  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
+  // dW [out, d] += alpha · dyᵀ x  <=>  cm [d, out] += alpha · x(cm [d, rows]) · dy(cm [out, rows])ᵀ
+  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(d), int(out), int(rows), &alpha, x, CUDA_R_16BF, int(d),
+                            dy, CUDA_R_16BF, int(out), &one, gparam(weight), CUDA_R_32F, int(d), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT),
+               (weight + " weight gradient").c_str());
+  // dx [rows, d] = alpha · dy W  <=>  cm [d, rows] = alpha · W(cm [d, out]) · dy(cm [out, rows])
+  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(d), int(rows), int(out), &alpha, wparam(weight),
+                            CUDA_R_16BF, int(d), dy, CUDA_R_16BF, int(out), &beta, dx, CUDA_R_32F, int(d),
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               (weight + " input gradient").c_str());
+}
+
+void GpuModel::router_backward(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E,
+                               int64_t k, const bf16* x, const std::string& weight, bool accumulate) {
+  const int64_t N = B_ * cfg_.context, n = N * groups * E;
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(dz_.get(), dz_reg, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+  cuda::topk_sigmoid_backward(dz_.get(), dw_.get(), index, w, N, groups, E, k, stream_);
+  cuda::to_bf16(dzb_.get(), dz_.get(), n, stream_);
+  dense_backward(dzb_.get(), x, weight, N, groups * E, 1.f, dxn_.get(), accumulate);
+}
+
+void GpuModel::ffn_backward(int64_t l) {
+  Layer& L = layers_[l];
+  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  // dres holds d/d(layer output). The FFN input is the raw x_mid: its expert gradient adds
+  // straight onto dres, and so does LN2's.
+  cuda::to_bf16(dresb_.get(), dres_.get(), N * d, stream_);
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * kf) * sizeof(float), stream_));
+  cuda::cvmm_rows(L.plan_ff->view(), {dresb_.get(), wparam(p + "ffn.values"), L.w_ff.get(), dhidden_.get(), nullptr,
+                                      dw_.get(), L.hidden.get(), d, es, true, false}, stream_);
+  cuda::cvmm_weight_grad(L.plan_ff->view(true), {L.hidden.get(), dresb_.get(), L.w_ff.get(), true, gparam(p + "ffn.values"),
+                                                 es, d, Ef}, stream_);
+  cuda::relu_backward(dhidden_.get(), dhidden_.get(), L.hidden.get(), N * kf * es, stream_);
+  cuda::cvmm_rows(L.plan_ff->view(true), {dhidden_.get(), wparam(p + "ffn.keys"), nullptr, nullptr, dres_.get(), nullptr,
+                                          nullptr, es, d, true, true}, stream_);
+  cuda::cvmm_weight_grad(L.plan_ff->view(), {L.x_midb.get(), dhidden_.get(), nullptr, true, gparam(p + "ffn.keys"), d, es,
+                                             Ef}, stream_);
+  router_backward(L.dz_reg_ff.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, L.xn2.get(), p + "ffn.expert_sel", false);
+  cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
+                           wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_);
+}
+
+void GpuModel::attention_backward(int64_t l) {
+  Layer& L = layers_[l];
+  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
+  const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
+  cuda::to_bf16(dresb_.get(), dres_.get(), N * d, stream_);
+  // Output experts: head gradients (ka selections per head row: accumulated in fp32).
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(dheads_f32_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
+  cuda::cvmm_rows(L.plan_o->view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
+                                         dw_.get(), L.heads.get(), d, dh, true, true}, stream_);
+  cuda::cvmm_weight_grad(L.plan_o->view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
+                                            d, H * Ea}, stream_);
+  router_backward(L.dz_reg_o.get(), L.io.get(), L.wo.get(), H, Ea, ka, L.xn1.get(), p + "attention.sel_o", false);
+  cuda::to_bf16(dheads_.get(), dheads_f32_.get(), N * hd, stream_);
+  attention_->backward(dq_.get(), dk_.get(), dv_.get(), dheads_.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
+  // Value experts read the raw residual: their input gradient adds onto dres.
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
+  cuda::cvmm_rows(L.plan_v->view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), dw_.get(),
+                                         L.xb.get(), dh, d, true, true}, stream_);
+  cuda::cvmm_weight_grad(L.plan_v->view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
+                                            H * Ea}, stream_);
+  router_backward(L.dz_reg_v.get(), L.iv.get(), L.wv.get(), H, Ea, ka, L.xn1.get(), p + "attention.sel_v", true);
+  cuda::rope_backward(dq_.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
+  cuda::rope_backward(dk_.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
+  const float s = float(std::pow(double(dh), -0.25));
+  dense_backward(dq_.get(), L.xn1.get(), p + "attention.q.weight", N, hd, s, dxn_.get(), true);
+  dense_backward(dk_.get(), L.xn1.get(), p + "attention.k.weight", N, hd, s, dxn_.get(), true);
+  cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
+                           wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_);
 }
 
 }  // namespace moeut

@@ -34,15 +34,27 @@ class GpuModel {
   void zero_gradients();
 
   // tokens (host): [batch, context + 1]. Mean losses of the batch.
-  LossParts forward(const int32_t* tokens);
+  LossParts forward(const int32_t* tokens) { return run(tokens, 1.0, false); }
+  // Also accumulates into the gradients that of weight · (mean CE + regularisers), as
+  // Model::forward_backward.
+  LossParts forward_backward(const int32_t* tokens, double weight) { return run(tokens, weight, true); }
 
  private:
   struct Layer;
   using bf16 = __nv_bfloat16;
   bf16* wparam(const std::string& name) const;
   float* gparam(const std::string& name) const;
+  LossParts run(const int32_t* tokens, double weight, bool backward);
   void attention_forward(int64_t l);
   void ffn_forward(int64_t l);
+  void ffn_backward(int64_t l);
+  void attention_backward(int64_t l);
+  // d(weight) += alpha · dyᵀ·x; dx = alpha · dy·W (+ dx when accumulate): the backward of dense.
+  void dense_backward(const bf16* dy, const bf16* x, const std::string& weight, int64_t rows, int64_t out, float alpha,
+                      float* dx, bool accumulate);
+  // dz = regulariser gradient + routing backward; then the router's dense backward into dxn_.
+  void router_backward(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E, int64_t k,
+                       const bf16* x, const std::string& weight, bool accumulate);
   void dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out_features, float alpha, void* y,
              cudaDataType y_type);
   void plan_experts(std::unique_ptr<cuda::DeviceCvmmPlan>& plan, const int32_t* device_index, int64_t n,
@@ -60,6 +72,9 @@ class GpuModel {
   std::vector<Layer> layers_;
   cuda::DeviceBuffer<bf16> xf_;                // output LayerNorm
   cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_, vsum_;
+  // Backward scratch, shared by the layers.
+  cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dz_, dheads_f32_;
+  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dq_, dk_, dv_;
   cuda::DeviceBuffer<double> reg_loss_;
   std::unique_ptr<cuda::CausalAttention> attention_;
   std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_;

@@ -9,7 +9,10 @@
 namespace moeut {
 namespace {
 
-ModelConfig small_config() {
+// all_experts: top-k over every expert, so that no routing choice can flip between the bf16
+// GPU and the fp32 CPU (a flip changes which experts a token uses, and their gradients
+// entirely; the choice itself is tested exactly at kernel level).
+ModelConfig small_config(bool all_experts = false) {
   ModelConfig m;
   m.n_tokens = 500;
   m.d_model = 64;
@@ -23,6 +26,10 @@ ModelConfig small_config() {
   m.ff_k = 4;
   m.ff_expert_size = 32;
   m.context = 64;
+  if (all_experts) {
+    m.ff_n_experts = m.ff_k = 8;
+    m.att_n_experts = m.att_k = 2;
+  }
   return m;
 }
 
@@ -46,6 +53,61 @@ TEST_F(GpuTest, ModelForwardLossMatchesTheCpuModel) {
   EXPECT_NEAR(got.ce, ref.ce, 1e-2 * std::abs(ref.ce));
   EXPECT_NEAR(got.reg_ffn, ref.reg_ffn, 1e-2 * std::abs(ref.reg_ffn));
   EXPECT_NEAR(got.reg_att, ref.reg_att, 1e-2 * std::abs(ref.reg_att));
+}
+
+}  // namespace
+}  // namespace moeut
+
+namespace moeut {
+namespace {
+
+// Per-tensor gradient relative errors of the GPU model against the CPU model on one batch.
+std::vector<std::pair<std::string, double>> gradient_errors(const ModelConfig& cfg, uint64_t seed) {
+  const int64_t B = 4;
+  Model<float> cpu(cfg);
+  cpu.init(seed);
+  for (auto& p : cpu.params) p = __bfloat162float(__float2bfloat16(p));
+  std::vector<int32_t> tokens(size_t(B * (cfg.context + 1)));
+  Rng rng{seed + 1};
+  for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(cfg.n_tokens));
+  const double weight = 0.5;
+  const LossParts ref = cpu.forward_backward(tokens.data(), B, weight);
+  GpuModel gpu(cfg, B);
+  gpu.set_parameters(cpu.params);
+  gpu.zero_gradients();
+  const LossParts got = gpu.forward_backward(tokens.data(), weight);
+  EXPECT_NEAR(got.total(), ref.total(), 1e-2 * std::abs(ref.total()));
+  const std::vector<float> grads = gpu.gradients();
+  std::vector<std::pair<std::string, double>> out;
+  for (const TensorSpec& t : cpu.layout().tensors()) {
+    double diff = 0, norm = 0;
+    for (int64_t i = t.offset; i < t.offset + t.numel; ++i) {
+      diff += double(grads[i] - cpu.grads[i]) * (grads[i] - cpu.grads[i]);
+      norm += double(cpu.grads[i]) * cpu.grads[i];
+    }
+    out.emplace_back(t.name, std::sqrt(diff / norm));
+  }
+  return out;
+}
+
+// Bound: 3e-2 per tensor. The GPU rounds activations and their gradients to bf16 at every
+// product (each rounding 2^-9 relative) and the error grows with depth. On the H200
+// (2026-11-22) it measured about 1e-3 at the head and about 1e-2 in the first layer. FFN keys
+// measured up to 2.7e-2, because a hidden unit near zero may pass the ReLU on one side and not
+// the other. Each kernel is held to 1e-3..1e-2 against its CPU reference in
+// test_kernels_cuda.cpp.
+TEST_F(GpuTest, ModelGradientsMatchTheCpuModel) {
+  double worst = 0;
+  for (const auto& [name, err] : gradient_errors(small_config(true), 6)) {
+    std::printf("  %-42s %.2e\n", name.c_str(), err);
+    EXPECT_LE(err, 3e-2) << name;
+    worst = std::max(worst, err);
+  }
+  std::printf("every expert selected: largest gradient rel. error %.2e\n", worst);
+  // With top-k routing a few tokens choose differently in bf16: reported, not bounded.
+  worst = 0;
+  for (const auto& [name, err] : gradient_errors(small_config(false), 6)) worst = std::max(worst, err);
+  std::printf("top-k routing (bf16 choices may differ): largest gradient rel. error %.2e\n", worst);
 }
 
 }  // namespace
