@@ -27,6 +27,15 @@ struct ModelConfig {
   int64_t context = 128;         // T, training sequence length
 
   int64_t repeats() const { return n_layers / group_size; }
+  // Training FLOPs per token, the spec's formula (what benchmarks report MFU with):
+  // 6·N_active + 12·L·H·dh·T with N_active = L·(2·d·H·dh + 2·H·ka·d·dh + 2·kf·d·es + Ef·d
+  // + 2·H·Ea·d) + d·V.
+  double training_flops_per_token() const {
+    const double L = double(n_layers), d = double(d_model), H = double(n_heads), dh = double(d_head);
+    const double active = L * (2 * d * H * dh + 2 * H * att_k * d * dh + 2.0 * ff_k * d * ff_expert_size +
+                               double(ff_n_experts) * d + 2 * H * att_n_experts * d) + d * double(n_tokens);
+    return 6 * active + 12 * L * H * dh * double(context);
+  }
   // Dimensions of each head that get RoPE: half of dh, rounded down to even.
   int64_t rope_dims() const { return (d_head / 2) - (d_head / 2) % 2; }
 };

@@ -5,7 +5,9 @@
 #include <numeric>
 #include <string>
 
+#include "kernels/adamw_cuda.h"
 #include "kernels/cuda_check.h"
+#include "kernels/grad_norm.h"
 #include "kernels/embedding_cuda.h"
 #include "kernels/layernorm_cuda.h"
 #include "kernels/relu_cuda.h"
@@ -333,6 +335,26 @@ void GpuModel::attention_backward(int64_t l) {
   dense_backward(dk_.get(), L.xn1.get(), p + "attention.k.weight", N, hd, s, dxn_.get(), true);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
                            wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_);
+}
+
+GpuAdamW::GpuAdamW(int64_t n) : m_(size_t(n)), v_(size_t(n)), sq_(1) {
+  MOEUT_CUDA_CHECK(cudaMemset(m_.get(), 0, m_.size() * sizeof(float)));
+  MOEUT_CUDA_CHECK(cudaMemset(v_.get(), 0, v_.size() * sizeof(float)));
+}
+
+double GpuAdamW::step(GpuModel& model, double lr, const TrainConfig& t) {
+  const int64_t n = int64_t(m_.size());
+  cudaStream_t s = model.stream();
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(sq_.get(), 0, sizeof(double), s));
+  cuda::sum_of_squares(sq_.get(), model.grads(), n, s);
+  double sq = 0;
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(&sq, sq_.get(), sizeof(double), cudaMemcpyDeviceToHost, s));
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(s));
+  const double norm = std::sqrt(sq);
+  const AdamWHyper h{lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay};
+  cuda::adamw_update(model.master(), model.working(), model.grads(), m_.get(), v_.get(), n, h, ++steps_,
+                     clip_coefficient(norm, t.grad_clip), s);
+  return norm;
 }
 
 }  // namespace moeut

@@ -32,6 +32,10 @@ class GpuModel {
   std::vector<float> parameters() const;
   std::vector<float> gradients() const;
   void zero_gradients();
+  float* master() { return master_.get(); }
+  __nv_bfloat16* working() { return working_.get(); }
+  float* grads() { return grads_.get(); }
+  cudaStream_t stream() const { return stream_; }
 
   // tokens (host): [batch, context + 1]. Mean losses of the batch.
   LossParts forward(const int32_t* tokens) { return run(tokens, 1.0, false); }
@@ -79,6 +83,20 @@ class GpuModel {
   std::unique_ptr<cuda::CausalAttention> attention_;
   std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_;
   std::unique_ptr<cuda::LmHeadCE> head_;
+};
+
+// AdamW over every parameter of a GpuModel: fp32 moments on the device, global-norm clipping,
+// the bf16 working copy rewritten in the same pass.
+class GpuAdamW {
+ public:
+  explicit GpuAdamW(int64_t n);
+  // Returns the gradient norm before clipping (one device-to-host read per step).
+  double step(GpuModel& model, double lr, const TrainConfig& t);
+
+ private:
+  cuda::DeviceBuffer<float> m_, v_;
+  cuda::DeviceBuffer<double> sq_;
+  int64_t steps_ = 0;
 };
 
 }  // namespace moeut

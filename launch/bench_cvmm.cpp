@@ -12,55 +12,14 @@
 
 #include "core/rng.h"
 #include "kernels/cvmm_cuda.h"
+#include "launch/cuda_timing.h"
 
 namespace {
 
 using namespace moeut;
+using bench::median_ms;
+using bench::random_device;
 using bf16 = __nv_bfloat16;
-
-// Median milliseconds of fn over `reps` runs after 3 warm-up runs, timed with events.
-double median_ms(const std::function<void()>& fn, int reps = 20) {
-  cudaEvent_t a, b;
-  MOEUT_CUDA_CHECK(cudaEventCreate(&a));
-  MOEUT_CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) fn();
-  std::vector<float> ms(static_cast<size_t>(reps));
-  for (auto& m : ms) {
-    MOEUT_CUDA_CHECK(cudaEventRecord(a));
-    fn();
-    MOEUT_CUDA_CHECK(cudaEventRecord(b));
-    MOEUT_CUDA_CHECK(cudaEventSynchronize(b));
-    MOEUT_CUDA_CHECK(cudaEventElapsedTime(&m, a, b));
-  }
-  std::sort(ms.begin(), ms.end());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms[ms.size() / 2];
-}
-
-template <typename T>
-cuda::DeviceBuffer<T> random_device(size_t n, Rng& rng, float scale) {
-  std::vector<T> h(n);
-  for (auto& x : h) x = T(scale * float(rng.normal()));
-  return cuda::DeviceBuffer<T>(h);
-}
-
-double cublas_peak_tflops() {
-  const int n = 8192;
-  Rng rng(5);
-  auto A = random_device<bf16>(size_t(n) * n, rng, 1.f), B = random_device<bf16>(size_t(n) * n, rng, 1.f);
-  cuda::DeviceBuffer<bf16> C{size_t(n) * n};
-  cublasHandle_t h;
-  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
-  const float one = 1.f, zero = 0.f;
-  const double ms = median_ms([&] {
-    if (cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, A.get(), CUDA_R_16BF, n, B.get(), CUDA_R_16BF, n, &zero,
-                     C.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
-      throw std::runtime_error("cublasGemmEx failed");
-  });
-  cublasDestroy(h);
-  return 2.0 * n * double(n) * n / (ms * 1e-3) / 1e12;
-}
 
 }  // namespace
 
@@ -68,7 +27,7 @@ int main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? std::stoll(argv[1]) : 16384;
   const int64_t E = 565, k = 24, d = 1536, es = 128, sels = tokens * k;
   try {
-    const double peak = cublas_peak_tflops();
+    const double peak = bench::cublas_peak_tflops();
     std::printf("bf16 peak (cuBLAS 8192^3): %.1f TFLOP/s\n", peak);
     Rng rng(1);
     CvmmSelection up;

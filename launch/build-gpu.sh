@@ -9,4 +9,4 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$root" -B "$root/build-gpu" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DMOEUT_PORTABLE=ON \
   -DMOEUT_CUDA=ON >/dev/null
-cmake --build "$root/build-gpu" --parallel "$(nproc)" --target moeut_gpu_tests moeut-bench-cvmm
+cmake --build "$root/build-gpu" --parallel "$(nproc)" --target moeut_gpu_tests moeut-bench-cvmm moeut-bench

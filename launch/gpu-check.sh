@@ -18,4 +18,6 @@ cat "$out/gpu.txt"
 step gpu_tests "$bin/tests/moeut_gpu_tests"
 step bench_cvmm_16k "$bin/launch/moeut-bench-cvmm" 16384
 step bench_cvmm_64k "$bin/launch/moeut-bench-cvmm" 65536
+step bench_244M_b32 "$bin/launch/moeut-bench" --config "$root/configs/244M.cfg" --batch 32
+step bench_1B_b16 "$bin/launch/moeut-bench" --config "$root/configs/1B.cfg" --batch 16
 exit $failed

@@ -23,6 +23,11 @@ TEST(Profiles, ParameterCountsMatchTheSpec) {
   EXPECT_EQ(ParamLayout(load_config_file(kConfigs + "1B.cfg").model).total(), 1040319296);
 }
 
+TEST(Profiles, TrainingFlopsPerTokenMatchTheSpec) {
+  EXPECT_NEAR(load_config_file(kConfigs + "244M.cfg").model.training_flops_per_token(), 1.007e9, 0.0005e9);
+  EXPECT_NEAR(load_config_file(kConfigs + "1B.cfg").model.training_flops_per_token(), 4.216e9, 0.0005e9);
+}
+
 TEST(Profiles, RopeWidthOf44MIsRoundedDownToEven) {
   EXPECT_EQ(load_config_file(kConfigs + "44M.cfg").model.rope_dims(), 40);
 }

@@ -1,0 +1,92 @@
+// moeut-bench: training steps (forward, backward, AdamW) of a profile on one GPU; prints
+// tokens/s, TFLOP/s and MFU (the spec's FLOP formula over the bf16 peak measured in the same
+// run), peak GPU memory and the split between forward, backward and optimizer.
+#include <boost/program_options.hpp>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include "core/gpu_model.h"
+#include "core/model.h"
+#include "launch/cuda_timing.h"
+
+namespace po = boost::program_options;
+using namespace moeut;
+
+int main(int argc, char** argv) {
+  std::string config_path;
+  int64_t batch = 16, steps = 5, warmup = 2;
+  po::options_description opts("moeut-bench options");
+  opts.add_options()("help,h", "show this help")
+      ("config", po::value(&config_path)->required(), "profile, e.g. configs/1B.cfg")
+      ("batch", po::value(&batch)->default_value(batch), "sequences per step")
+      ("steps", po::value(&steps)->default_value(steps), "timed steps")
+      ("warmup", po::value(&warmup)->default_value(warmup), "untimed steps first");
+  try {
+    po::variables_map vm;
+    po::store(po::parse_command_line(argc, argv, opts), vm);
+    if (vm.count("help")) { std::cout << opts << "\n"; return 0; }
+    po::notify(vm);
+    if (batch <= 0 || steps <= 0 || warmup < 0) throw ConfigError("batch and steps must be positive, warmup >= 0");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moeut-bench: %s\n", e.what());
+    return 2;
+  }
+  try {
+    const Config cfg = load_config_file(config_path);
+    const ModelConfig& m = cfg.model;
+    const double peak = bench::cublas_peak_tflops();
+    cudaDeviceProp prop;
+    MOEUT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("%s | %s | batch %lld x %lld | bf16 peak measured %.1f TFLOP/s\n", prop.name, config_path.c_str(),
+                (long long)batch, (long long)m.context, peak);
+
+    std::vector<float> params;
+    {
+      Model<float> init(m);  // the spec's initialisation, on the host
+      init.init(cfg.train.seed);
+      params = std::move(init.params);
+    }
+    GpuModel model(m, batch);
+    model.set_parameters(params);
+    GpuAdamW optimizer(int64_t(params.size()));
+    std::vector<int32_t> tokens(size_t(batch * (m.context + 1)));
+    Rng rng(7);
+    for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(m.n_tokens));
+
+    using clock = std::chrono::steady_clock;
+    auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+    double fwd = 0, total = 0, opt = 0;
+    LossParts loss;
+    for (int64_t s = 0; s < warmup + steps; ++s) {
+      const auto t0 = clock::now();
+      model.forward(tokens.data());
+      MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
+      const auto t1 = clock::now();
+      model.zero_gradients();
+      loss = model.forward_backward(tokens.data(), 1.0);
+      MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
+      const auto t2 = clock::now();
+      optimizer.step(model, cfg.train.lr, cfg.train);
+      MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
+      const auto t3 = clock::now();
+      if (s < warmup) continue;
+      fwd += seconds(t0, t1);
+      total += seconds(t1, t2);
+      opt += seconds(t2, t3);
+    }
+    fwd /= double(steps), total /= double(steps), opt /= double(steps);
+    const double step = total + opt, tokens_per_step = double(batch * m.context);
+    const double tflops = m.training_flops_per_token() * tokens_per_step / step / 1e12;
+    size_t free_bytes = 0, total_bytes = 0;
+    MOEUT_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    std::printf("loss %.4f (ce %.4f) | step %.1f ms: forward %.1f, backward %.1f, optimizer %.1f\n", loss.total(),
+                loss.ce, step * 1e3, fwd * 1e3, (total - fwd) * 1e3, opt * 1e3);
+    std::printf("%.0f tokens/s | %.1f TFLOP/s | MFU %.1f%% | GPU memory in use %.1f GiB\n", tokens_per_step / step,
+                tflops, 100.0 * tflops / peak, double(total_bytes - free_bytes) / double(1ull << 30));
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moeut-bench: error: %s\n", e.what());
+    return 1;
+  }
+}
