@@ -64,7 +64,8 @@ po::options_description train_options(TrainConfig& t) {
       ("eval_every", po::value(&t.eval_every)->default_value(t.eval_every), "steps between validation reports (0: off)")
       ("eval_batches", po::value(&t.eval_batches)->default_value(t.eval_batches), "validation micro-batches per periodic report")
       ("threads", po::value(&t.threads)->default_value(t.threads), "CPU threads (0: OpenMP default)")
-      ("ep", po::value(&t.ep)->default_value(t.ep), "expert-parallel group size: ranks that share one copy of the FFN experts");
+      ("ep", po::value(&t.ep)->default_value(t.ep), "expert-parallel group size: ranks that share one copy of the FFN experts")
+      ("device", po::value(&t.device)->default_value(t.device), "cpu, cuda, or auto (cuda when a GPU is present)");
   return o;
 }
 
@@ -129,6 +130,8 @@ void validate(const Config& c) {
   require_positive("eval_batches", t.eval_batches);
   if (t.threads < 0) fail("threads", "must be >= 0 (0: OpenMP default)");
   require_positive("ep", t.ep);
+  if (t.device != "cpu" && t.device != "cuda" && t.device != "auto")
+    fail("device", "must be cpu, cuda or auto (got '" + t.device + "')");
   if (t.train_data.empty()) fail("train_data", "is required");
   if (t.val_data.empty()) fail("val_data", "is required");
   if (t.out_weights.empty()) fail("out_weights", "must not be empty");

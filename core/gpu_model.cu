@@ -194,9 +194,15 @@ void GpuModel::ffn_forward(int64_t l) {
                                           nullptr, es, d, false, true}, stream_);
 }
 
-LossParts GpuModel::run(const int32_t* tokens, double weight, bool backward) {
+LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pass) {
   if (!(weight > 0)) throw std::invalid_argument("GpuModel: weight must be positive");
-  const int64_t B = B_, T = cfg_.context, N = B * T, d = cfg_.d_model;
+  // The regularisers average over the planned batch: losses and training need all of it.
+  if (B > batch_ || (pass != Pass::kEvaluate && B != batch_))
+    throw std::invalid_argument("GpuModel: batch of " + std::to_string(B) + " sequences, planned for " + std::to_string(batch_));
+  const bool backward = pass == Pass::kTrain;
+  B_ = B;
+  attention_->set_batch(B);
+  const int64_t T = cfg_.context, N = B * T, d = cfg_.d_model;
   std::vector<int32_t> in(static_cast<size_t>(N)), tg(static_cast<size_t>(N));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
@@ -217,7 +223,7 @@ LossParts GpuModel::run(const int32_t* tokens, double weight, bool backward) {
   // backward pass).
   MOEUT_CUDA_CHECK(cudaMemsetAsync(reg_loss_.get(), 0, 2 * sizeof(double), stream_));
   const int64_t G = cfg_.group_size, R = cfg_.repeats();
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < (pass == Pass::kEvaluate ? 0 : G); ++g) {
     std::vector<const float*> zf, zv, zo;
     std::vector<float*> dzf, dzv, dzo;
     for (int64_t r = 0; r < R; ++r) {

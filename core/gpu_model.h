@@ -38,17 +38,22 @@ class GpuModel {
   cudaStream_t stream() const { return stream_; }
 
   // tokens (host): [batch, context + 1]. Mean losses of the batch.
-  LossParts forward(const int32_t* tokens) { return run(tokens, 1.0, false); }
+  LossParts forward(const int32_t* tokens) { return run(tokens, batch_, 1.0, Pass::kLoss); }
   // Also accumulates into the gradients that of weight · (mean CE + regularisers), as
   // Model::forward_backward.
-  LossParts forward_backward(const int32_t* tokens, double weight) { return run(tokens, weight, true); }
+  LossParts forward_backward(const int32_t* tokens, double weight) { return run(tokens, batch_, weight, Pass::kTrain); }
+  // Sum of the cross-entropy over B <= batch sequences (no regularisers, no gradients).
+  double forward_ce_sum(const int32_t* tokens, int64_t B) {
+    return run(tokens, B, 1.0, Pass::kEvaluate).ce * double(B * cfg_.context);
+  }
 
  private:
   struct Layer;
   using bf16 = __nv_bfloat16;
   bf16* wparam(const std::string& name) const;
   float* gparam(const std::string& name) const;
-  LossParts run(const int32_t* tokens, double weight, bool backward);
+  enum class Pass { kEvaluate, kLoss, kTrain };
+  LossParts run(const int32_t* tokens, int64_t B, double weight, Pass pass);
   void attention_forward(int64_t l);
   void ffn_forward(int64_t l);
   void ffn_backward(int64_t l);
@@ -66,7 +71,7 @@ class GpuModel {
 
   ModelConfig cfg_;
   ParamLayout layout_;
-  int64_t batch_, B_;  // B_ == batch_: the attention and regulariser scratch are sized for it
+  int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   cuda::DeviceBuffer<float> master_, grads_;

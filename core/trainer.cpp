@@ -9,7 +9,6 @@
 
 #include "core/rng.h"
 #include "core/schedule.h"
-#include "parallel/all_to_all_dispatcher.h"
 
 namespace moeut {
 
@@ -22,21 +21,22 @@ void sample_batch(const TokenFile& data, uint64_t seed, int64_t step, int64_t fi
   }
 }
 
-double evaluate(Model<float>& model, const TokenFile& data, int64_t micro_batch, int64_t max_windows,
-                Communicator& world) {
-  const int64_t T = model.config().context, ranks = world.size();
+double evaluate(const CrossEntropySum& ce_sum, int64_t context, const TokenFile& data, int64_t micro_batch,
+                int64_t max_windows, Communicator& world) {
+  const int64_t T = context, ranks = world.size();
   int64_t windows = int64_t((data.size() - 1) / uint64_t(T));
   if (max_windows > 0) windows = std::min(windows, max_windows);
   // Rank r takes a contiguous run of windows; runs differ by at most one window.
   const int64_t first = windows * world.rank() / ranks, mine = windows * (world.rank() + 1) / ranks - first;
-  const int64_t calls = (windows / ranks + 1 + micro_batch - 1) / micro_batch;
+  const int64_t most = (windows + ranks - 1) / ranks;  // windows of the busiest rank
+  const int64_t calls = (most + micro_batch - 1) / micro_batch;
   std::vector<int32_t> tokens(size_t(micro_batch * (T + 1)));
   double sum = 0;
   for (int64_t c = 0; c < calls; ++c) {
     const int64_t B = std::clamp(mine - c * micro_batch, int64_t(0), micro_batch);
     for (int64_t b = 0; b < B; ++b)
       data.read(uint64_t((first + c * micro_batch + b) * T), std::span<int32_t>(tokens.data() + b * (T + 1), size_t(T + 1)));
-    sum += model.forward_ce_sum(tokens.data(), B);
+    sum += ce_sum(tokens.data(), B);
   }
   world.all_reduce_sum(std::span<double>(&sum, 1));
   return sum / double(windows * T);
@@ -70,7 +70,16 @@ const Config& checked(const Config& c, const ProcessGroups& g) {
                       " sequences do not split into micro-batches of " + std::to_string(c.train.micro_batch_size) +
                       " over " + std::to_string(world) + " ranks (need a multiple of " +
                       std::to_string(world * c.train.micro_batch_size) + ")");
+  if (c.train.device == "cuda" && !gpu_backend_available())
+    throw ConfigError("invalid configuration: device: cuda asked for, but no GPU is available to this build");
+  if (c.train.device == "cuda" && world > 1)
+    throw ConfigError("invalid configuration: device: GPU ranks need the NCCL backend, not built yet; "
+                      "run one GPU process, or --device cpu for MPI ranks");
   return c;
+}
+
+bool use_gpu(const Config& c, const ProcessGroups& g) {
+  return c.train.device == "cuda" || (c.train.device == "auto" && g.world->size() == 1 && gpu_backend_available());
 }
 
 }  // namespace
@@ -80,15 +89,9 @@ Trainer::Trainer(const Config& config, const ProcessGroups& groups)
       groups_(groups),
       local_batch_(cfg_.train.batch_size / groups.world->size()),
       train_(open_data(cfg_.train.train_data, "train_data", cfg_.model)),
-      val_(open_data(cfg_.train.val_data, "val_data", cfg_.model)),
-      model_(cfg_.model, expert_shard(cfg_.model.ff_n_experts, groups.ep(), groups.expert_parallel->rank())),
-      optimizer_(model_.layout(), groups) {
+      val_(open_data(cfg_.train.val_data, "val_data", cfg_.model)) {
   if (cfg_.train.threads > 0) omp_set_num_threads(int(cfg_.train.threads));
-  if (groups.ep() > 1)
-    model_.set_dispatcher(std::make_unique<AllToAllDispatcher>(*groups.expert_parallel, cfg_.model.ff_n_experts));
-  else
-    model_.set_dispatcher(std::make_unique<LocalDispatcher<float>>(cfg_.model.ff_n_experts));
-  model_.init(cfg_.train.seed);
+  backend_ = use_gpu(cfg_, groups) ? make_gpu_backend(cfg_) : make_cpu_backend(cfg_, groups);
   if (!leader()) return;
   const std::filesystem::path metrics(cfg_.train.metrics);
   if (metrics.has_parent_path()) std::filesystem::create_directories(metrics.parent_path());
@@ -96,27 +99,32 @@ Trainer::Trainer(const Config& config, const ProcessGroups& groups)
   if (!metrics_) throw std::runtime_error("cannot write metrics file '" + cfg_.train.metrics + "'");
 }
 
+double Trainer::validation_loss(int64_t max_windows) {
+  return evaluate([&](const int32_t* tokens, int64_t B) { return backend_->forward_ce_sum(tokens, B); },
+                  cfg_.model.context, val_, cfg_.train.micro_batch_size, max_windows, *groups_.world);
+}
+
 double Trainer::run() {
   const TrainConfig& t = cfg_.train;
   const int64_t T = cfg_.model.context, micro = t.micro_batch_size;
-  const ExpertShard& shard = model_.layout().shard();
+  const ExpertShard& shard = backend_->layout().shard();
   if (leader())
     std::printf("topology: world %d | ep %d | dp %d (replicated), %d (experts) | experts per rank %lld..%lld of %lld\n"
-                "model: %lld parameters on rank 0 (fp32) | optimizer state %.1f MB on rank 0 | %d threads per rank\n",
+                "model: %lld parameters on rank 0 (fp32) | optimizer state %.1f MB on rank 0 | device %s | %d threads per rank\n",
                 groups_.world->size(), groups_.ep(), groups_.dp(), groups_.expert_data_parallel->size(),
                 (long long)expert_shard(cfg_.model.ff_n_experts, groups_.ep(), groups_.ep() - 1).count,
-                (long long)shard.count, (long long)cfg_.model.ff_n_experts, (long long)model_.layout().total(),
-                optimizer_.state_bytes() / 1e6, omp_get_max_threads());
+                (long long)shard.count, (long long)cfg_.model.ff_n_experts, (long long)backend_->layout().total(),
+                backend_->optimizer_state_bytes() / 1e6, backend_->device(), omp_get_max_threads());
   std::vector<int32_t> tokens(size_t(micro * (T + 1)));
   const int64_t first_sequence = groups_.world->rank() * local_batch_;
   for (int64_t step = 0; step < t.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
-    std::fill(model_.grads.begin(), model_.grads.end(), 0.f);
+    backend_->zero_gradients();
     double parts[3] = {0, 0, 0};  // ce, reg_ffn, reg_att, weighted by share of the global batch
     for (int64_t first = 0; first < local_batch_; first += micro) {
       sample_batch(train_, t.seed, step, first_sequence + first, micro, T, tokens.data());
       const double share = double(micro) / double(t.batch_size);
-      const LossParts part = model_.forward_backward(tokens.data(), micro, share);
+      const LossParts part = backend_->forward_backward(tokens.data(), micro, share);
       parts[0] += share * part.ce;
       parts[1] += share * part.reg_ffn;
       parts[2] += share * part.reg_att;
@@ -127,34 +135,36 @@ double Trainer::run() {
       throw std::runtime_error("step " + std::to_string(step + 1) + ": loss is not finite (" +
                                std::to_string(loss.total()) + "); stopping before the weights are updated");
     const double lr = learning_rate(step, t);
-    const double norm = optimizer_.step(model_.params, model_.grads, lr, t);
+    const double norm = backend_->step(lr, t);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     losses_.push_back(loss.total());
     log_step(step + 1, loss, lr, norm, double(t.batch_size * T) / seconds);
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps)
-      log_validation(step + 1, evaluate(model_, val_, micro, t.eval_batches * micro, *groups_.world), false);
+      log_validation(step + 1, validation_loss(t.eval_batches * micro), false);
   }
-  const double final_loss = evaluate(model_, val_, micro, 0, *groups_.world);
+  const double final_loss = validation_loss(0);
   log_validation(t.steps, final_loss, true);
   return final_loss;
 }
 
 std::vector<float> Trainer::full_parameters() {
   const ParamLayout full(cfg_.model);
+  const ParamLayout& local = backend_->layout();
+  const std::vector<float> params = backend_->parameters();
   std::vector<float> out(size_t(full.total()));
   Communicator& ep = *groups_.expert_parallel;
   std::vector<int64_t> counts(size_t(ep.size()));
   for (const TensorSpec& t : full.tensors()) {
-    const TensorSpec& mine = model_.layout().at(t.name);
+    const TensorSpec& mine = local.at(t.name);
     float* dst = out.data() + t.offset;
     if (!t.expert) {
-      std::copy_n(model_.params.data() + mine.offset, t.numel, dst);
+      std::copy_n(params.data() + mine.offset, t.numel, dst);
       continue;
     }
     // Expert shards are consecutive slices of the [E, ...] tensor, in rank order.
     const int64_t per_expert = t.numel / cfg_.model.ff_n_experts;
     for (int r = 0; r < ep.size(); ++r) counts[r] = expert_shard(cfg_.model.ff_n_experts, ep.size(), r).count * per_expert;
-    std::copy_n(model_.params.data() + mine.offset, mine.numel, dst + model_.layout().shard().begin * per_expert);
+    std::copy_n(params.data() + mine.offset, mine.numel, dst + local.shard().begin * per_expert);
     ep.all_gather_v(std::span<float>(dst, size_t(t.numel)), counts);
   }
   return out;

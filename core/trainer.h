@@ -1,16 +1,16 @@
-// The training loop: sampling, gradient accumulation, synchronisation and the sharded optimizer
-// step, logging, validation. One process or many: each rank trains on its own part of every
-// global batch, with the FFN experts sharded over its expert-parallel group.
+// The training loop: sampling, gradient accumulation, the optimizer step, logging, validation.
+// One process or many: each rank trains on its own part of every global batch, through a
+// TrainingBackend (CPU ranks with expert parallelism, or one GPU).
 #pragma once
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <memory>
 
 #include "core/config.h"
-#include "core/model.h"
 #include "core/token_file.h"
+#include "core/training_backend.h"
 #include "parallel/communicator.h"
-#include "parallel/sharded_optimizer.h"
 
 namespace moeut {
 
@@ -20,24 +20,27 @@ namespace moeut {
 void sample_batch(const TokenFile& data, uint64_t seed, int64_t step, int64_t first, int64_t count,
                   int64_t context, int32_t* out);
 
+// Sum of the cross-entropy over the predictions of B windows of context + 1 tokens.
+using CrossEntropySum = std::function<double(const int32_t* tokens, int64_t B)>;
+
 // Mean cross-entropy over the predictions of consecutive windows of context + 1 tokens
 // (window i starts at token i * context, so every token but the first is predicted once);
 // max_windows = 0 takes every window. The windows are split over the ranks of `world`, which
-// all make the same number of forward calls (an expert-parallel model needs every rank in each).
-double evaluate(Model<float>& model, const TokenFile& data, int64_t micro_batch, int64_t max_windows,
-                Communicator& world);
+// all make the same number of calls (an expert-parallel model needs every rank in each).
+double evaluate(const CrossEntropySum& ce_sum, int64_t context, const TokenFile& data, int64_t micro_batch,
+                int64_t max_windows, Communicator& world);
 
 // Opens a token file for a model and checks it fits: same vocabulary, long enough.
 TokenFile open_data(const std::string& path, const char* option, const ModelConfig& m);
 
 class Trainer {
  public:
-  // Checks the configuration against the groups, opens the data, builds and initialises this
-  // rank's part of the model. Throws ConfigError before any collective when they do not fit.
+  // Checks the configuration against the groups and the device, opens the data, builds and
+  // initialises this rank's part of the model. Throws ConfigError before any collective when
+  // they do not fit.
   Trainer(const Config& config, const ProcessGroups& groups);
   // Trains every step (rank 0 logs); returns the loss over the whole validation file.
   double run();
-  Model<float>& model() { return model_; }
   const std::vector<double>& losses() const { return losses_; }  // total loss of every step
   // Every parameter of the model, expert shards gathered over the expert-parallel group (a
   // collective over it). In ParamLayout(config.model) order.
@@ -46,14 +49,14 @@ class Trainer {
  private:
   void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double tokens_per_s);
   void log_validation(int64_t step, double loss, bool final);
+  double validation_loss(int64_t max_windows);
   bool leader() const { return groups_.world->rank() == 0; }
 
   Config cfg_;
   const ProcessGroups& groups_;
   int64_t local_batch_;  // sequences of each global batch this rank trains on
   TokenFile train_, val_;
-  Model<float> model_;
-  ShardedAdamW optimizer_;
+  std::unique_ptr<TrainingBackend> backend_;
   std::ofstream metrics_;
   std::vector<double> losses_;
 };

@@ -1,3 +1,4 @@
+#include <stdexcept>
 #include <string>
 
 #include "kernels/attention_cuda.h"
@@ -58,12 +59,20 @@ __global__ void causal_softmax_backward(bf16* P_then_dS, const float* dP, int64_
 }  // namespace
 
 CausalAttention::CausalAttention(cublasHandle_t cublas, int64_t B, int64_t T, int64_t H, int64_t dh)
-    : cublas_(cublas), B_(B), T_(T), H_(H), dh_(dh), scores_(size_t(B * H * T * T)), probs_(size_t(B * H * T * T)) {}
+    : cublas_(cublas), capacity_(B), B_(B), T_(T), H_(H), dh_(dh), scores_(size_t(B * H * T * T)),
+      probs_(size_t(B * H * T * T)) {}
+
+void CausalAttention::set_batch(int64_t B) {
+  if (B < 0 || B > capacity_)
+    throw std::invalid_argument("CausalAttention: batch " + std::to_string(B) + " exceeds the planned " + std::to_string(capacity_));
+  B_ = B;
+}
 
 // Row-major [T, dh] head matrices with row stride H·dh are column-major [dh, T] with ld H·dh;
 // a row-major [T, T] score matrix is the column-major transpose. Hence the operand order below.
 void CausalAttention::scores_and_probs(const bf16* q, const bf16* k, cudaStream_t stream) {
   check_cublas(cublasSetStream(cublas_, stream), "cublasSetStream");
+  if (B_ == 0) return;
   const int64_t ld = H_ * dh_, seq = T_ * ld, tt = T_ * T_;
   for (int64_t b = 0; b < B_; ++b)  // S = Q Kᵀ  <=>  Sᵀ(cm) = Kᵀ(cm)ᵀ · Qᵀ(cm)
     batched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, T_, T_, dh_, k + b * seq, CUDA_R_16BF, ld, dh_, q + b * seq, ld, dh_,
@@ -94,6 +103,7 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, c
             probs_.get() + b * H_ * tt, T_, tt, dv + b * seq, CUDA_R_16BF, ld, dh_, H_);
   }
   const int64_t rows = B_ * H_ * T_;
+  if (rows == 0) return;
   causal_softmax_backward<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(probs_.get(), dP, rows, int(T_));
   MOEUT_CUDA_CHECK(cudaGetLastError());
   const bf16* dS = probs_.get();

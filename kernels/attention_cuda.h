@@ -15,8 +15,10 @@ namespace moeut::cuda {
 
 class CausalAttention {
  public:
-  // q, k, v, out: bf16 [B, T, H, dh]; scale 1 (folded into q and k by the caller).
+  // q, k, v, out: bf16 [B, T, H, dh]; scale 1 (folded into q and k by the caller). The
+  // workspace is sized for B sequences; set_batch runs later calls on fewer.
   CausalAttention(cublasHandle_t cublas, int64_t B, int64_t T, int64_t H, int64_t dh);
+  void set_batch(int64_t B);
   void forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                cudaStream_t stream);
   // Overwrites dq, dk, dv.
@@ -27,7 +29,7 @@ class CausalAttention {
   void scores_and_probs(const __nv_bfloat16* q, const __nv_bfloat16* k, cudaStream_t stream);
 
   cublasHandle_t cublas_;
-  int64_t B_, T_, H_, dh_;
+  int64_t capacity_, B_, T_, H_, dh_;
   DeviceBuffer<float> scores_;         // [B, H, T, T] fp32; the probability gradient in backward
   DeviceBuffer<__nv_bfloat16> probs_;  // [B, H, T, T]; the score gradient in backward
 };

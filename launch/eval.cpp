@@ -45,7 +45,8 @@ int main(int argc, char** argv) {
     model.params = std::move(w.params);
     const TokenFile data = open_data(data_path, "data", w.config);
     SelfCommunicator world("world");
-    const double loss = evaluate(model, data, batch, max_windows, world);
+    const double loss = evaluate([&](const int32_t* tokens, int64_t B) { return model.forward_ce_sum(tokens, B); },
+                                 context, data, batch, max_windows, world);
     std::printf("eval %s on %s | context %lld | loss %.6f | ppl %.2f\n", weights_path.c_str(), data_path.c_str(),
                 (long long)context, loss, std::exp(loss));
     return 0;

@@ -92,6 +92,7 @@ TEST(ConfigValidation, RefusesEachBrokenRuleNamingOptionAndRule) {
       {{"--grad_clip", "-1"}, "grad_clip", ">= 0"},
       {{"--weight_decay", "-1"}, "weight_decay", ">= 0"},
       {{"--eval_batches", "0"}, "eval_batches", "positive"},
+      {{"--device", "tpu"}, "device", "must be cpu, cuda or auto"},
   };
   for (const Case& c : cases) {
     const std::string err = parse_error(c.args);

@@ -63,6 +63,7 @@ Config small_run() {
   t.lr = 1e-2;
   t.warmup_steps = 2;
   t.eval_every = 0;
+  t.device = "cpu";
   return c;
 }
 

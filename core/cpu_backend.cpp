@@ -1,0 +1,49 @@
+#include "core/training_backend.h"
+#include "parallel/all_to_all_dispatcher.h"
+#include "parallel/communicator.h"
+#include "parallel/sharded_optimizer.h"
+
+namespace moeut {
+namespace {
+
+class CpuBackend final : public TrainingBackend {
+ public:
+  CpuBackend(const Config& c, const ProcessGroups& g)
+      : model_(c.model, expert_shard(c.model.ff_n_experts, g.ep(), g.expert_parallel->rank())),
+        optimizer_(model_.layout(), g) {
+    if (g.ep() > 1)
+      model_.set_dispatcher(std::make_unique<AllToAllDispatcher>(*g.expert_parallel, c.model.ff_n_experts));
+    else
+      model_.set_dispatcher(std::make_unique<LocalDispatcher<float>>(c.model.ff_n_experts));
+    model_.init(c.train.seed);
+  }
+  const char* device() const override { return "cpu"; }
+  const ParamLayout& layout() const override { return model_.layout(); }
+  void zero_gradients() override { std::fill(model_.grads.begin(), model_.grads.end(), 0.f); }
+  LossParts forward_backward(const int32_t* tokens, int64_t B, double weight) override {
+    return model_.forward_backward(tokens, B, weight);
+  }
+  double forward_ce_sum(const int32_t* tokens, int64_t B) override { return model_.forward_ce_sum(tokens, B); }
+  double step(double lr, const TrainConfig& t) override { return optimizer_.step(model_.params, model_.grads, lr, t); }
+  std::vector<float> parameters() override { return model_.params; }
+  int64_t optimizer_state_bytes() const override { return optimizer_.state_bytes(); }
+
+ private:
+  Model<float> model_;
+  ShardedAdamW optimizer_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainingBackend> make_cpu_backend(const Config& c, const ProcessGroups& groups) {
+  return std::make_unique<CpuBackend>(c, groups);
+}
+
+#ifndef MOEUT_HAVE_CUDA
+bool gpu_backend_available() { return false; }
+std::unique_ptr<TrainingBackend> make_gpu_backend(const Config&) {
+  throw ConfigError("invalid configuration: device: cuda asked for, but this build has no CUDA backend");
+}
+#endif
+
+}  // namespace moeut

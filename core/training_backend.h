@@ -1,0 +1,38 @@
+// What the training loop needs from a model and its optimizer, whatever device holds them:
+// the CPU backend (Model, a token dispatcher, ZeRO-sharded AdamW over MPI ranks) and the GPU
+// backend (GpuModel and GpuAdamW on one GPU).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/config.h"
+#include "core/model.h"
+#include "core/params.h"
+
+namespace moeut {
+
+struct ProcessGroups;
+
+class TrainingBackend {
+ public:
+  virtual ~TrainingBackend() = default;
+  virtual const char* device() const = 0;
+  virtual const ParamLayout& layout() const = 0;  // this rank's part of the model
+  virtual void zero_gradients() = 0;
+  // Accumulates the gradient of weight · (mean CE + regularisers) of B sequences.
+  virtual LossParts forward_backward(const int32_t* tokens, int64_t B, double weight) = 0;
+  virtual double forward_ce_sum(const int32_t* tokens, int64_t B) = 0;
+  // One optimizer step at learning rate lr; returns the global gradient norm before clipping.
+  virtual double step(double lr, const TrainConfig& t) = 0;
+  virtual std::vector<float> parameters() = 0;  // in layout() order
+  virtual int64_t optimizer_state_bytes() const = 0;
+};
+
+// CPU: this rank's shard of the experts, the dispatcher its group needs, sharded AdamW.
+std::unique_ptr<TrainingBackend> make_cpu_backend(const Config& c, const ProcessGroups& groups);
+// GPU: the whole model on the current device, micro-batches of c.train.micro_batch_size.
+std::unique_ptr<TrainingBackend> make_gpu_backend(const Config& c);
+bool gpu_backend_available();  // built with CUDA and a device present
+
+}  // namespace moeut
