@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Installs the dependencies and builds the given targets (all when none) into build/.
-# Usage: launch/build.sh [target ...]
+# Installs the dependencies and builds the given targets (all when none).
+# Usage: [MOEUT_BUILD_DIR=dir] [MOEUT_CMAKE_ARGS="-D..."] launch/build.sh [target ...]
+# (default build/, configured once with the default options).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+dir=$root/${MOEUT_BUILD_DIR:-build}
 "$root/launch/install-deps.sh"
 [ -x /usr/local/cuda/bin/nvcc ] && export CUDACXX=${CUDACXX:-/usr/local/cuda/bin/nvcc}
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
-if [ ! -f "$root/build/CMakeCache.txt" ]; then
-  cmake -S "$root" -B "$root/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release >/dev/null
+if [ ! -f "$dir/CMakeCache.txt" ] || [ -n "${MOEUT_CMAKE_ARGS:-}" ]; then
+  # shellcheck disable=SC2086  # the options are words to split
+  cmake -S "$root" -B "$dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release ${MOEUT_CMAKE_ARGS:-} >/dev/null
 fi
 targets=()
 for t in "$@"; do targets+=(--target "$t"); done
-cmake --build "$root/build" --parallel "$(nproc)" "${targets[@]}"
+cmake --build "$dir" --parallel "$(nproc)" "${targets[@]}"

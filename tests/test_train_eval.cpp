@@ -8,21 +8,14 @@
 #include "checkpoints/weights_file.h"
 #include "core/rng.h"
 #include "core/trainer.h"
+#include "token_stream.h"
 
 namespace moeut {
 namespace {
 
-// A token stream with structure to learn: token i+1 is usually (token i * 3 + 1) mod V.
 std::string write_stream(const std::string& name, uint32_t V, int64_t n, uint64_t seed) {
-  std::vector<uint32_t> tokens(static_cast<size_t>(n));
-  Rng rng(seed);
-  uint32_t t = 0;
-  for (auto& x : tokens) {
-    t = rng.uniform() < 0.8 ? (t * 3 + 1) % V : uint32_t(rng.next() % V);
-    x = t;
-  }
   const std::string path = (std::filesystem::path(testing::TempDir()) / ("moeut_" + name)).string();
-  write_token_file(path, V, tokens);
+  test::write_token_stream(path, V, n, seed);
   return path;
 }
 

@@ -15,6 +15,7 @@
 #include "parallel/all_to_all_dispatcher.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/sharded_optimizer.h"
+#include "token_stream.h"
 
 namespace moeut {
 namespace {
@@ -29,12 +30,8 @@ std::string temp_file(const std::string& name) {
 }
 
 std::string write_stream(const std::string& name, uint32_t V, int64_t n, uint64_t seed) {
-  std::vector<uint32_t> tokens(static_cast<size_t>(n));
-  Rng rng(seed);
-  uint32_t t = 0;
-  for (auto& x : tokens) x = t = rng.uniform() < 0.8 ? (t * 3 + 1) % V : uint32_t(rng.next() % V);
   const std::string path = temp_file(name);
-  write_token_file(path, V, tokens);
+  test::write_token_stream(path, V, n, seed);
   return path;
 }
 
