@@ -24,16 +24,13 @@ void check_cublas(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS error ") + std::to_string(int(s)) + " in " + what);
 }
 
-// Where an expert product's rows come from and go to (see Model's build_selection).
-enum class Route { kAttentionValue, kAttentionOutput, kFfn };
-
 }  // namespace
 
 struct GpuModel::Layer {
   DeviceBuffer<bf16> xb, xn1, q, k, v, heads, x_midb, xn2, hidden;
   DeviceBuffer<float> mean1, rstd1, zv, zo, wv, wo, x_mid, mean2, rstd2, z, w_ff, dz_reg_v, dz_reg_o, dz_reg_ff;
   DeviceBuffer<int32_t> iv, io, i_ff;
-  std::unique_ptr<cuda::DeviceCvmmPlan> plan_v, plan_o, plan_ff;
+  cuda::CvmmPlanBuffers plan_v, plan_o, plan_ff;  // kept from the forward to the backward pass
 };
 
 GpuModel::GpuModel(const ModelConfig& config, int64_t batch)
@@ -51,7 +48,9 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch)
   targets_ = DeviceBuffer<int32_t>(size_t(N));
   for (int64_t l = 0; l <= cfg_.n_layers; ++l) xs_.emplace_back(size_t(N * d));
   layers_.resize(size_t(cfg_.n_layers));
+  planner_ = std::make_unique<cuda::CvmmPlanner>(N * std::max(kf, hk), std::max(Ef, he));
   for (Layer& L : layers_) {
+    for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) *plan = planner_->make_buffers();
     for (auto* b : {&L.xb, &L.xn1, &L.x_midb, &L.xn2}) *b = DeviceBuffer<bf16>(size_t(N * d));
     for (auto* b : {&L.q, &L.k, &L.v, &L.heads}) *b = DeviceBuffer<bf16>(size_t(N * hd));
     L.hidden = DeviceBuffer<bf16>(size_t(N * kf * cfg_.ff_expert_size));
@@ -123,28 +122,6 @@ void GpuModel::dense(const bf16* x, const std::string& weight, int64_t rows, int
                weight.c_str());
 }
 
-// Groups one layer's routing decisions by expert (on the host for now: the indices travel to
-// the host and the grouped plan back).
-void GpuModel::plan_experts(std::unique_ptr<cuda::DeviceCvmmPlan>& plan, const int32_t* device_index, int64_t n,
-                            int64_t groups, int64_t E, int64_t k, bool gather) {
-  std::vector<int32_t> index(size_t(n * groups * k));
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(index.data(), device_index, index.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  CvmmSelection sel;
-  sel.resize(int64_t(index.size()));
-  const Route route = groups > 1 ? (gather ? Route::kAttentionValue : Route::kAttentionOutput) : Route::kFfn;
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t i = (t * groups + g) * k + j;
-        sel.expert[i] = int32_t(g * E + index[i]);
-        sel.in_row[i] = int32_t(route == Route::kAttentionOutput ? t * groups + g : t);
-        sel.out_row[i] = int32_t(route == Route::kAttentionValue ? t * groups + g : route == Route::kFfn ? i : t);
-      }
-  sel.group(groups * E);
-  plan = std::make_unique<cuda::DeviceCvmmPlan>(sel);
-}
-
 void GpuModel::attention_forward(int64_t l) {
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
@@ -163,15 +140,15 @@ void GpuModel::attention_forward(int64_t l) {
   dense(L.xn1.get(), p + "attention.sel_o", N, H * Ea, 1.f, L.zo.get(), CUDA_R_32F);
   cuda::topk_sigmoid_forward(L.iv.get(), L.wv.get(), L.zv.get(), N, H, Ea, ka, stream_);
   cuda::topk_sigmoid_forward(L.io.get(), L.wo.get(), L.zo.get(), N, H, Ea, ka, stream_);
-  plan_experts(L.plan_v, L.iv.get(), N, H, Ea, ka, true);
-  plan_experts(L.plan_o, L.io.get(), N, H, Ea, ka, false);
+  planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, stream_);
+  planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, stream_);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(vsum_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
-  cuda::cvmm_rows(L.plan_v->view(), {L.xb.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, vsum_.get(), nullptr,
+  cuda::cvmm_rows(L.plan_v.view(), {L.xb.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, vsum_.get(), nullptr,
                                      nullptr, d, dh, false, true}, stream_);
   cuda::to_bf16(L.v.get(), vsum_.get(), N * hd, stream_);
   attention_->forward(L.heads.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(L.x_mid.get(), x, size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-  cuda::cvmm_rows(L.plan_o->view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
+  cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
                                      nullptr, dh, d, false, true}, stream_);
 }
 
@@ -184,13 +161,13 @@ void GpuModel::ffn_forward(int64_t l) {
   cuda::to_bf16(L.x_midb.get(), L.x_mid.get(), N * d, stream_);
   dense(L.xn2.get(), p + "ffn.expert_sel", N, Ef, 1.f, L.z.get(), CUDA_R_32F);
   cuda::topk_sigmoid_forward(L.i_ff.get(), L.w_ff.get(), L.z.get(), N, 1, Ef, kf, stream_);
-  plan_experts(L.plan_ff, L.i_ff.get(), N, 1, Ef, kf, true);
-  cuda::cvmm_rows(L.plan_ff->view(), {L.x_midb.get(), wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr,
+  planner_->build(L.plan_ff, L.i_ff.get(), N, 1, Ef, kf, cuda::CvmmRoute::kGatherToSelections, stream_);
+  cuda::cvmm_rows(L.plan_ff.view(), {L.x_midb.get(), wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr,
                                       nullptr, d, es, false, false}, stream_);
   cuda::relu_forward(L.hidden.get(), N * kf * es, stream_);
   float* y = xs_[l + 1].get();
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(y, L.x_mid.get(), size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-  cuda::cvmm_rows(L.plan_ff->view(true), {L.hidden.get(), wparam(p + "ffn.values"), L.w_ff.get(), nullptr, y, nullptr,
+  cuda::cvmm_rows(L.plan_ff.view(true), {L.hidden.get(), wparam(p + "ffn.values"), L.w_ff.get(), nullptr, y, nullptr,
                                           nullptr, es, d, false, true}, stream_);
 }
 
@@ -297,14 +274,14 @@ void GpuModel::ffn_backward(int64_t l) {
   // straight onto dres, and so does LN2's.
   cuda::to_bf16(dresb_.get(), dres_.get(), N * d, stream_);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * kf) * sizeof(float), stream_));
-  cuda::cvmm_rows(L.plan_ff->view(), {dresb_.get(), wparam(p + "ffn.values"), L.w_ff.get(), dhidden_.get(), nullptr,
+  cuda::cvmm_rows(L.plan_ff.view(), {dresb_.get(), wparam(p + "ffn.values"), L.w_ff.get(), dhidden_.get(), nullptr,
                                       dw_.get(), L.hidden.get(), d, es, true, false}, stream_);
-  cuda::cvmm_weight_grad(L.plan_ff->view(true), {L.hidden.get(), dresb_.get(), L.w_ff.get(), true, gparam(p + "ffn.values"),
+  cuda::cvmm_weight_grad(L.plan_ff.view(true), {L.hidden.get(), dresb_.get(), L.w_ff.get(), true, gparam(p + "ffn.values"),
                                                  es, d, Ef}, stream_);
   cuda::relu_backward(dhidden_.get(), dhidden_.get(), L.hidden.get(), N * kf * es, stream_);
-  cuda::cvmm_rows(L.plan_ff->view(true), {dhidden_.get(), wparam(p + "ffn.keys"), nullptr, nullptr, dres_.get(), nullptr,
+  cuda::cvmm_rows(L.plan_ff.view(true), {dhidden_.get(), wparam(p + "ffn.keys"), nullptr, nullptr, dres_.get(), nullptr,
                                           nullptr, es, d, true, true}, stream_);
-  cuda::cvmm_weight_grad(L.plan_ff->view(), {L.x_midb.get(), dhidden_.get(), nullptr, true, gparam(p + "ffn.keys"), d, es,
+  cuda::cvmm_weight_grad(L.plan_ff.view(), {L.x_midb.get(), dhidden_.get(), nullptr, true, gparam(p + "ffn.keys"), d, es,
                                              Ef}, stream_);
   router_backward(L.dz_reg_ff.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, L.xn2.get(), p + "ffn.expert_sel", false);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
@@ -320,18 +297,18 @@ void GpuModel::attention_backward(int64_t l) {
   // Output experts: head gradients (ka selections per head row: accumulated in fp32).
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dheads_f32_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
-  cuda::cvmm_rows(L.plan_o->view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
+  cuda::cvmm_rows(L.plan_o.view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
                                          dw_.get(), L.heads.get(), d, dh, true, true}, stream_);
-  cuda::cvmm_weight_grad(L.plan_o->view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
+  cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
                                             d, H * Ea}, stream_);
   router_backward(L.dz_reg_o.get(), L.io.get(), L.wo.get(), H, Ea, ka, L.xn1.get(), p + "attention.sel_o", false);
   cuda::to_bf16(dheads_.get(), dheads_f32_.get(), N * hd, stream_);
   attention_->backward(dq_.get(), dk_.get(), dv_.get(), dheads_.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
   // Value experts read the raw residual: their input gradient adds onto dres.
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
-  cuda::cvmm_rows(L.plan_v->view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), dw_.get(),
+  cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), dw_.get(),
                                          L.xb.get(), dh, d, true, true}, stream_);
-  cuda::cvmm_weight_grad(L.plan_v->view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
+  cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
                                             H * Ea}, stream_);
   router_backward(L.dz_reg_v.get(), L.iv.get(), L.wv.get(), H, Ea, ka, L.xn1.get(), p + "attention.sel_v", true);
   cuda::rope_backward(dq_.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);

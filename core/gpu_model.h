@@ -66,8 +66,7 @@ class GpuModel {
                        const bf16* x, const std::string& weight, bool accumulate);
   void dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out_features, float alpha, void* y,
              cudaDataType y_type);
-  void plan_experts(std::unique_ptr<cuda::DeviceCvmmPlan>& plan, const int32_t* device_index, int64_t n,
-                    int64_t groups, int64_t E, int64_t k, bool gather);
+
 
   ModelConfig cfg_;
   ParamLayout layout_;
@@ -88,6 +87,7 @@ class GpuModel {
   std::unique_ptr<cuda::CausalAttention> attention_;
   std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_;
   std::unique_ptr<cuda::LmHeadCE> head_;
+  std::unique_ptr<cuda::CvmmPlanner> planner_;
 };
 
 // AdamW over every parameter of a GpuModel: fp32 moments on the device, global-norm clipping,

@@ -1,5 +1,6 @@
 // cvmm on the GPU: see cvmm_cuda.h. Tensor-core (WMMA, bf16 -> fp32) tiles over the selections
 // of one expert; row gathers happen in the tile loads, weights and scatters in the epilogue.
+#include <cub/device/device_radix_sort.cuh>
 #include <mma.h>
 
 #include <algorithm>
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(kThreads) cvmm_rows_kernel(CvmmPlan plan, Cvmm
   float* Cs = reinterpret_cast<float*>(smem);                 // [BM][BN + kPadC], after the loop
   __shared__ int32_t s_in[BM], s_out[BM], s_sel[BM];
 
+  if (int(blockIdx.x) >= *plan.live_tiles) return;  // past this plan's tiles (see CvmmPlan)
   const int tile = blockIdx.x, n0 = blockIdx.y * BN;
   const int e = plan.tile_expert[tile], first = plan.tile_first[tile];
   const int rows = int(min64(BM, plan.expert_begin[e + 1] - first));
@@ -285,13 +287,116 @@ std::vector<int32_t> tile_list(const CvmmSelection& sel, bool experts) {
 
 }  // namespace
 
-DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel)
-    : in_row_(sel.in_row), out_row_(sel.out_row), by_expert_(sel.by_expert),
-      tile_expert_(tile_list(sel, true)), tile_first_(tile_list(sel, false)), expert_begin_(sel.expert_begin) {}
+DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
+  in_row = DeviceBuffer<int32_t>(sel.in_row);
+  out_row = DeviceBuffer<int32_t>(sel.out_row);
+  by_expert = DeviceBuffer<int32_t>(sel.by_expert);
+  const std::vector<int32_t> experts = tile_list(sel, true);
+  tile_expert = DeviceBuffer<int32_t>(experts);
+  tile_first = DeviceBuffer<int32_t>(tile_list(sel, false));
+  expert_begin = DeviceBuffer<int64_t>(sel.expert_begin);
+  tiles = int32_t(experts.size());
+  live_tiles = DeviceBuffer<int32_t>(std::vector<int32_t>{tiles});
+}
 
-CvmmPlan DeviceCvmmPlan::view(bool swapped) const {
-  return {swapped ? out_row_.get() : in_row_.get(), swapped ? in_row_.get() : out_row_.get(), by_expert_.get(),
-          expert_begin_.get(), tile_expert_.get(), tile_first_.get(), int32_t(tile_expert_.size())};
+CvmmPlan CvmmPlanBuffers::view(bool swapped) const {
+  return {swapped ? out_row.get() : in_row.get(), swapped ? in_row.get() : out_row.get(), by_expert.get(),
+          expert_begin.get(), tile_expert.get(), tile_first.get(), live_tiles.get(), tiles};
+}
+
+namespace {
+
+__global__ void route_keys(int32_t* key, int32_t* order, int32_t* in_row, int32_t* out_row, const int32_t* index,
+                           int64_t n_sel, int groups, int E, int k, CvmmRoute route) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n_sel) return;
+  const int64_t tg = i / k, t = tg / groups;  // tg = t·groups + g
+  const int g = int(tg % groups);
+  key[i] = g * E + index[i];
+  order[i] = int32_t(i);
+  in_row[i] = int32_t(route == CvmmRoute::kGroupRowsToTokens ? tg : t);
+  out_row[i] = int32_t(route == CvmmRoute::kGatherToGroupRows ? tg : route == CvmmRoute::kGatherToSelections ? i : t);
+}
+
+__global__ void count_experts(int32_t* counts, const int32_t* key, int64_t n_sel) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n_sel) atomicAdd(counts + key[i], 1);
+}
+
+// One thread: offsets from counts, then the row tiles of every expert in order. Experts are at
+// most a few thousand and tiles n/64 + experts: microseconds, and no host round trip.
+__global__ void offsets_and_tiles(int64_t* begin, int32_t* tile_expert, int32_t* tile_first, int32_t* live_tiles,
+                                  const int32_t* counts, int experts) {
+  int64_t pos = 0;
+  int32_t tiles = 0;
+  for (int e = 0; e < experts; ++e) {
+    begin[e] = pos;
+    for (int64_t p = pos; p < pos + counts[e]; p += kCvmmTileRows) {
+      tile_expert[tiles] = e;
+      tile_first[tiles] = int32_t(p);
+      ++tiles;
+    }
+    pos += counts[e];
+  }
+  begin[experts] = pos;
+  *live_tiles = tiles;
+}
+
+int32_t max_tiles(int64_t selections, int64_t experts) {
+  return int32_t((selections + kCvmmTileRows - 1) / kCvmmTileRows + experts);
+}
+
+}  // namespace
+
+CvmmPlanner::CvmmPlanner(int64_t max_selections, int64_t max_experts)
+    : max_selections_(max_selections), max_experts_(max_experts), keys_(size_t(max_selections)),
+      sorted_keys_(size_t(max_selections)), order_(size_t(max_selections)), counts_(size_t(max_experts)) {
+  size_t bytes = 0;
+  MOEUT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, keys_.get(), sorted_keys_.get(), order_.get(),
+                                                   order_.get(), int(max_selections)));
+  sort_scratch_ = DeviceBuffer<unsigned char>(std::max<size_t>(bytes, 1));
+}
+
+CvmmPlanBuffers CvmmPlanner::make_buffers() const {
+  CvmmPlanBuffers p;
+  const size_t n = size_t(max_selections_);
+  p.in_row = DeviceBuffer<int32_t>(n);
+  p.out_row = DeviceBuffer<int32_t>(n);
+  p.by_expert = DeviceBuffer<int32_t>(n);
+  p.tiles = max_tiles(max_selections_, max_experts_);
+  p.tile_expert = DeviceBuffer<int32_t>(size_t(p.tiles));
+  p.tile_first = DeviceBuffer<int32_t>(size_t(p.tiles));
+  p.live_tiles = DeviceBuffer<int32_t>(1);
+  p.expert_begin = DeviceBuffer<int64_t>(size_t(max_experts_ + 1));
+  return p;
+}
+
+void CvmmPlanner::build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, int64_t groups, int64_t E, int64_t k,
+                        CvmmRoute route, cudaStream_t stream) {
+  const int64_t sels = n * groups * k, experts = groups * E;
+  if (sels > max_selections_ || experts > max_experts_)
+    throw std::invalid_argument("CvmmPlanner: " + std::to_string(sels) + " selections over " + std::to_string(experts) +
+                                " experts exceed the planned " + std::to_string(max_selections_) + " over " +
+                                std::to_string(max_experts_));
+  plan.tiles = max_tiles(sels, experts);
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(counts_.get(), 0, size_t(experts) * sizeof(int32_t), stream));
+  if (sels > 0) {
+    const unsigned blocks = unsigned((sels + 255) / 256);
+    route_keys<<<blocks, 256, 0, stream>>>(keys_.get(), order_.get(), plan.in_row.get(), plan.out_row.get(), index, sels,
+                                           int(groups), int(E), int(k), route);
+    MOEUT_CUDA_CHECK(cudaGetLastError());
+    int end_bit = 1;
+    while ((int64_t(1) << end_bit) < experts) ++end_bit;
+    size_t bytes = sort_scratch_.size();
+    // Stable: selections of one expert keep their order, so results repeat run to run.
+    MOEUT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_scratch_.get(), bytes, keys_.get(), sorted_keys_.get(),
+                                                     order_.get(), plan.by_expert.get(), int(sels), 0, end_bit, stream));
+    count_experts<<<blocks, 256, 0, stream>>>(counts_.get(), keys_.get(), sels);
+    MOEUT_CUDA_CHECK(cudaGetLastError());
+  }
+  offsets_and_tiles<<<1, 1, 0, stream>>>(plan.expert_begin.get(), plan.tile_expert.get(), plan.tile_first.get(),
+                                         plan.live_tiles.get(), counts_.get(), int(experts));
+  MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
@@ -306,7 +411,6 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
 }
 
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {
-  if (plan.tiles == 0) return;
   const dim3 grid(unsigned(((a.K + WK - 1) / WK) * ((a.N + BN - 1) / BN)), unsigned(a.n_experts));
   const size_t bytes = std::max(sizeof(bf16) * 2 * WS * (WK + kPadA + BN + kPadA), sizeof(float) * WK * (BN + kPadC));
   cvmm_weight_grad_kernel<<<grid, kThreads, bytes, stream>>>(plan, a);

@@ -13,7 +13,9 @@
 namespace moeut::cuda {
 
 // Selections grouped by expert, on the device. Row tiles of kCvmmTileRows consecutive
-// selections of one expert are the unit of work; tile_expert/tile_first list them.
+// selections of one expert are the unit of work; tile_expert/tile_first list them. Kernels
+// launch `tiles` blocks (an upper bound known on the host) and those past *live_tiles (the
+// count, known on the device) return at once, so planning needs no host synchronisation.
 struct CvmmPlan {
   const int32_t* in_row;     // [n] row of the product's input read by each selection
   const int32_t* out_row;    // [n] row of the output each selection writes
@@ -21,6 +23,7 @@ struct CvmmPlan {
   const int64_t* expert_begin;  // [experts + 1] offsets into by_expert
   const int32_t* tile_expert;   // [tiles]
   const int32_t* tile_first;    // [tiles] first position (into by_expert) of the tile
+  const int32_t* live_tiles;    // [1]
   int32_t tiles;
 };
 inline constexpr int kCvmmTileRows = 64;
@@ -56,16 +59,43 @@ struct CvmmWeightGradArgs {
 };
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream);
 
-// Device copies of a grouped CvmmSelection (CPU-built) and its row tiles.
-class DeviceCvmmPlan {
- public:
-  explicit DeviceCvmmPlan(const CvmmSelection& sel);
-  // swapped: in_row and out_row exchanged, for the transposed product of a backward pass.
+// A plan's device arrays. view(swapped): in_row and out_row exchanged, for the transposed
+// product of a backward pass.
+struct CvmmPlanBuffers {
+  DeviceBuffer<int32_t> in_row, out_row, by_expert, tile_expert, tile_first, live_tiles;
+  DeviceBuffer<int64_t> expert_begin;
+  int32_t tiles = 0;
   CvmmPlan view(bool swapped = false) const;
+};
+
+// Device copies of a grouped CvmmSelection built on the host (tests, benchmarks).
+struct DeviceCvmmPlan : CvmmPlanBuffers {
+  explicit DeviceCvmmPlan(const CvmmSelection& sel);
+};
+
+// How the selections of a routing decision map to rows. Selection i = (t·groups + g)·k + j of
+// token t, routing group g (a head, or the whole layer), choice j.
+enum class CvmmRoute {
+  kGatherToGroupRows,    // in: token row t; out: group row t·groups + g (attention value experts)
+  kGroupRowsToTokens,    // in: group row t·groups + g; out: token row t (attention output experts)
+  kGatherToSelections,   // in: token row t; out: selection row i (FFN keys; values use it swapped)
+};
+
+// Builds plans on the device from top-k indices: a stable radix sort of (expert, selection)
+// pairs, then expert offsets and row tiles.
+class CvmmPlanner {
+ public:
+  CvmmPlanner(int64_t max_selections, int64_t max_experts);
+  // Buffers sized for one plan of up to max_selections selections over max_experts experts.
+  CvmmPlanBuffers make_buffers() const;
+  // index [n, groups, k]: expert within its group. Writes the plan into `plan` (from make_buffers).
+  void build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, int64_t groups, int64_t E, int64_t k,
+             CvmmRoute route, cudaStream_t stream);
 
  private:
-  DeviceBuffer<int32_t> in_row_, out_row_, by_expert_, tile_expert_, tile_first_;
-  DeviceBuffer<int64_t> expert_begin_;
+  int64_t max_selections_, max_experts_;
+  DeviceBuffer<int32_t> keys_, sorted_keys_, order_, counts_;
+  DeviceBuffer<unsigned char> sort_scratch_;
 };
 
 }  // namespace moeut::cuda
