@@ -65,7 +65,9 @@ po::options_description train_options(TrainConfig& t) {
       ("eval_batches", po::value(&t.eval_batches)->default_value(t.eval_batches), "validation micro-batches per periodic report")
       ("threads", po::value(&t.threads)->default_value(t.threads), "CPU threads (0: OpenMP default)")
       ("ep", po::value(&t.ep)->default_value(t.ep), "expert-parallel group size: ranks that share one copy of the FFN experts")
-      ("device", po::value(&t.device)->default_value(t.device), "cpu, cuda, or auto (cuda when a GPU is present)");
+      ("device", po::value(&t.device)->default_value(t.device), "cpu, cuda, or auto (cuda when a GPU is present)")
+      ("dispatcher", po::value(&t.dispatcher)->default_value(t.dispatcher),
+       "expert-parallel token dispatch: all_to_all (copies to the ranks that need them) or all_gather");
   return o;
 }
 
@@ -130,6 +132,8 @@ void validate(const Config& c) {
   require_positive("eval_batches", t.eval_batches);
   if (t.threads < 0) fail("threads", "must be >= 0 (0: OpenMP default)");
   require_positive("ep", t.ep);
+  if (t.dispatcher != "all_to_all" && t.dispatcher != "all_gather")
+    fail("dispatcher", "must be all_to_all or all_gather (got '" + t.dispatcher + "')");
   if (t.device != "cpu" && t.device != "cuda" && t.device != "auto")
     fail("device", "must be cpu, cuda or auto (got '" + t.device + "')");
   if (t.train_data.empty()) fail("train_data", "is required");

@@ -62,6 +62,7 @@ struct TrainConfig {
   int64_t threads = 0;           // CPU threads; 0 keeps OpenMP's default
   int64_t ep = 1;                // expert-parallel group size (ranks sharing one set of experts)
   std::string device = "auto";   // cpu, cuda, or auto (cuda when built with it and a GPU is there)
+  std::string dispatcher = "all_to_all";  // expert-parallel token dispatch: all_to_all or all_gather
 };
 
 struct Config {

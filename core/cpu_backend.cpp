@@ -1,4 +1,5 @@
 #include "core/training_backend.h"
+#include "parallel/all_gather_dispatcher.h"
 #include "parallel/all_to_all_dispatcher.h"
 #include "parallel/communicator.h"
 #include "parallel/sharded_optimizer.h"
@@ -11,7 +12,9 @@ class CpuBackend final : public TrainingBackend {
   CpuBackend(const Config& c, const ProcessGroups& g)
       : model_(c.model, expert_shard(c.model.ff_n_experts, g.ep(), g.expert_parallel->rank())),
         optimizer_(model_.layout(), g) {
-    if (g.ep() > 1)
+    if (g.ep() > 1 && c.train.dispatcher == "all_gather")
+      model_.set_dispatcher(std::make_unique<AllGatherDispatcher>(*g.expert_parallel, c.model.ff_n_experts));
+    else if (g.ep() > 1)
       model_.set_dispatcher(std::make_unique<AllToAllDispatcher>(*g.expert_parallel, c.model.ff_n_experts));
     else
       model_.set_dispatcher(std::make_unique<LocalDispatcher<float>>(c.model.ff_n_experts));

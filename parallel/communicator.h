@@ -40,6 +40,7 @@ class Communicator {
   // data holds consecutive chunks of counts[i] elements, chunk rank() filled in by this rank;
   // afterwards every rank has every chunk.
   virtual void all_gather_v(std::span<float> data, std::span<const int64_t> counts) = 0;
+  virtual void all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) = 0;
 };
 
 // The group of one process: every collective is a copy.
@@ -63,6 +64,7 @@ class SelfCommunicator final : public Communicator {
     std::copy(data.begin(), data.end(), mine.begin());
   }
   void all_gather_v(std::span<float>, std::span<const int64_t>) override {}
+  void all_gather_v(std::span<int32_t>, std::span<const int64_t>) override {}
 
  private:
   std::string name_;

@@ -75,12 +75,19 @@ void MpiCommunicator::reduce_scatter_sum(std::span<const float> data, std::span<
   check(MPI_Reduce_scatter(data.data(), mine.data(), c.data(), MPI_FLOAT, MPI_SUM, comm_), "MPI_Reduce_scatter");
 }
 
-void MpiCommunicator::all_gather_v(std::span<float> data, std::span<const int64_t> counts) {
-  const std::vector<int> c = to_int(counts, "MPI_Allgatherv");
+void MpiCommunicator::all_gather_v(void* data, std::span<const int64_t> counts, MPI_Datatype type, const char* op) {
+  const std::vector<int> c = to_int(counts, op);
   std::vector<int> displ(c.size(), 0);
   std::exclusive_scan(c.begin(), c.end(), displ.begin(), 0);
-  check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, data.data(), c.data(), displ.data(), MPI_FLOAT, comm_),
-        "MPI_Allgatherv");
+  check(MPI_Allgatherv(MPI_IN_PLACE, 0, type, data, c.data(), displ.data(), type, comm_), op);
+}
+
+void MpiCommunicator::all_gather_v(std::span<float> data, std::span<const int64_t> counts) {
+  all_gather_v(data.data(), counts, MPI_FLOAT, "MPI_Allgatherv(float)");
+}
+
+void MpiCommunicator::all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) {
+  all_gather_v(data.data(), counts, MPI_INT32_T, "MPI_Allgatherv(int32)");
 }
 
 ProcessGroups mpi_process_groups(MPI_Comm base, int ep) {

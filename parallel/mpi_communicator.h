@@ -26,8 +26,10 @@ class MpiCommunicator final : public Communicator {
   void reduce_scatter_sum(std::span<const float> data, std::span<float> mine,
                           std::span<const int64_t> counts) override;
   void all_gather_v(std::span<float> data, std::span<const int64_t> counts) override;
+  void all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) override;
 
  private:
+  void all_gather_v(void* data, std::span<const int64_t> counts, MPI_Datatype type, const char* op);
   void check(int rc, const char* op) const;
   std::vector<int> to_int(std::span<const int64_t> counts, const char* op) const;
   void all_to_all_v(const void* send, std::span<const int64_t> sc, void* recv, std::span<const int64_t> rc,

@@ -93,6 +93,7 @@ TEST(ConfigValidation, RefusesEachBrokenRuleNamingOptionAndRule) {
       {{"--weight_decay", "-1"}, "weight_decay", ">= 0"},
       {{"--eval_batches", "0"}, "eval_batches", "positive"},
       {{"--device", "tpu"}, "device", "must be cpu, cuda or auto"},
+      {{"--dispatcher", "broadcast"}, "dispatcher", "must be all_to_all or all_gather"},
   };
   for (const Case& c : cases) {
     const std::string err = parse_error(c.args);

@@ -12,6 +12,7 @@
 
 #include "core/rng.h"
 #include "core/trainer.h"
+#include "parallel/all_gather_dispatcher.h"
 #include "parallel/all_to_all_dispatcher.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/sharded_optimizer.h"
@@ -66,8 +67,11 @@ Config small_run() {
 
 double relative(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
 
-TEST(Distributed, TrainingEqualsTheSingleProcessRun) {
+class Distributed : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(Distributed, TrainingEqualsTheSingleProcessRun) {
   Config c = small_run();
+  c.train.dispatcher = GetParam();
   const ProcessGroups single = ProcessGroups::single();
   Trainer reference(c, single);
   const double ref_val = reference.run();
@@ -97,13 +101,16 @@ TEST(Distributed, TrainingEqualsTheSingleProcessRun) {
     worst_param = std::max(worst_param, std::sqrt(diff / norm));
   }
   if (world_rank() == 0)
-    std::printf("np %d ep %d: largest relative difference to one process: loss %.2e, parameter tensor %.2e\n",
-                world_size(), g_ep, worst_loss, worst_param);
+    std::printf("np %d ep %d %s: largest relative difference to one process: loss %.2e, parameter tensor %.2e\n",
+                world_size(), g_ep, GetParam(), worst_loss, worst_param);
 }
+
+INSTANTIATE_TEST_SUITE_P(Dispatchers, Distributed, ::testing::Values("all_to_all", "all_gather"));
 
 // Each rank routes its own tokens through the all-to-all dispatcher holding a shard of the
 // experts; the reference runs the same tokens through a local dispatcher holding all of them.
-void check_dispatch(int64_t n_tokens, const std::function<int32_t(int64_t t, int64_t j)>& route) {
+void check_dispatch(const char* strategy, int64_t n_tokens, const std::function<int32_t(int64_t t, int64_t j)>& route) {
+  SCOPED_TRACE(strategy);
   const ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, g_ep);
   Communicator& ep = *groups.expert_parallel;
   const int64_t E = 10, k = 3, d = 6, es = 4;
@@ -136,10 +143,12 @@ void check_dispatch(int64_t n_tokens, const std::function<int32_t(int64_t t, int
                                values.begin() + (shard.begin + shard.count) * es * d);
   std::vector<float> dkeys(my_keys.size(), 0.f), dvalues(my_values.size(), 0.f);
   const ExpertParams<float> part{my_keys.data(), my_values.data(), dkeys.data(), dvalues.data(), d, es};
-  AllToAllDispatcher a2a(ep, E);
+  std::unique_ptr<TokenDispatcher<float>> dispatcher;
+  if (std::string(strategy) == "all_gather") dispatcher = std::make_unique<AllGatherDispatcher>(ep, E);
+  else dispatcher = std::make_unique<AllToAllDispatcher>(ep, E);
   std::vector<float> y(x.size(), 0.f), dx(x.size(), 0.f), dw(w.size(), 0.f);
-  a2a.forward(0, x.data(), I.data(), w.data(), n_tokens, k, part, y.data());
-  a2a.backward(0, dy.data(), dx.data(), dw.data(), part);
+  dispatcher->forward(0, x.data(), I.data(), w.data(), n_tokens, k, part, y.data());
+  dispatcher->backward(0, dy.data(), dx.data(), dw.data(), part);
 
   for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], y_ref[i], 1e-5f * (1 + std::abs(y_ref[i]))) << i;
   for (size_t i = 0; i < dx.size(); ++i) ASSERT_NEAR(dx[i], dx_ref[i], 1e-5f * (1 + std::abs(dx_ref[i]))) << i;
@@ -150,21 +159,25 @@ void check_dispatch(int64_t n_tokens, const std::function<int32_t(int64_t t, int
     ASSERT_NEAR(dvalues[i], dvalues_ref[shard.begin * es * d + i], 1e-4f * (1 + std::abs(dvalues_ref[shard.begin * es * d + i])));
 }
 
-TEST(Dispatcher, UniformRoutingMatchesLocalDispatch) {
-  check_dispatch(37, [](int64_t t, int64_t j) { return int32_t((t * 7 + j * 3) % 10); });
+class Dispatcher : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(Dispatcher, UniformRoutingMatchesLocalDispatch) {
+  check_dispatch(GetParam(), 37, [](int64_t t, int64_t j) { return int32_t((t * 7 + j * 3) % 10); });
 }
 
-TEST(Dispatcher, SkewedRoutingToTheExpertsOfOneRankMatchesLocalDispatch) {
+TEST_P(Dispatcher, SkewedRoutingToTheExpertsOfOneRankMatchesLocalDispatch) {
   // Experts 0..2 belong to expert-parallel rank 0 whatever the group size: every other rank
   // receives no tokens, and its experts none (their gradients must stay zero).
-  check_dispatch(29, [](int64_t t, int64_t j) { return int32_t((t + j) % 3); });
+  check_dispatch(GetParam(), 29, [](int64_t t, int64_t j) { return int32_t((t + j) % 3); });
 }
 
-TEST(Dispatcher, ARankWithNoTokensStillTakesPart) {
+TEST_P(Dispatcher, ARankWithNoTokensStillTakesPart) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  check_dispatch(rank % 2 == 1 ? 0 : 23, [](int64_t t, int64_t j) { return int32_t((t * 5 + j * 4) % 10); });
+  check_dispatch(GetParam(), rank % 2 == 1 ? 0 : 23, [](int64_t t, int64_t j) { return int32_t((t * 5 + j * 4) % 10); });
 }
+
+INSTANTIATE_TEST_SUITE_P(Strategies, Dispatcher, ::testing::Values("all_to_all", "all_gather"));
 
 TEST(ShardedOptimizer, StateFallsAsOneOverTheDataParallelDegree) {
   // Groups of 1, 2, ... ranks carved out of the world: the moments each rank keeps shrink in
