@@ -8,12 +8,6 @@ namespace moeut {
 AllGatherDispatcher::AllGatherDispatcher(Communicator& expert_parallel, int64_t n_experts)
     : ep_(expert_parallel), shard_(expert_shard(n_experts, expert_parallel.size(), expert_parallel.rank())) {}
 
-std::vector<int64_t> AllGatherDispatcher::scaled(const std::vector<int64_t>& counts, int64_t width) const {
-  std::vector<int64_t> out(counts.size());
-  for (size_t i = 0; i < counts.size(); ++i) out[i] = counts[i] * width;
-  return out;
-}
-
 void AllGatherDispatcher::forward(int64_t use, const float* x, const int32_t* I, const float* w, int64_t n, int64_t k,
                                   const ExpertParams<float>& p, float* y) {
   if (int64_t(uses_.size()) <= use) uses_.resize(size_t(use + 1));
@@ -26,13 +20,13 @@ void AllGatherDispatcher::forward(int64_t use, const float* x, const int32_t* I,
 
   u.rows.resize(size_t(total * d));
   std::copy_n(x, n * d, u.rows.begin() + u.first * d);
-  ep_.all_gather_v(std::span<float>(u.rows), scaled(u.tokens, d));
+  ep_.all_gather_v(std::span<float>(u.rows), scaled_counts(u.tokens, d));
   all_index_.resize(size_t(total * k));
   all_weight_.resize(size_t(total * k));
   std::copy_n(I, n * k, all_index_.begin() + u.first * k);
   std::copy_n(w, n * k, all_weight_.begin() + u.first * k);
-  ep_.all_gather_v(std::span<int32_t>(all_index_), scaled(u.tokens, k));
-  ep_.all_gather_v(std::span<float>(all_weight_), scaled(u.tokens, k));
+  ep_.all_gather_v(std::span<int32_t>(all_index_), scaled_counts(u.tokens, k));
+  ep_.all_gather_v(std::span<float>(all_weight_), scaled_counts(u.tokens, k));
 
   // This rank's experts over every selection of the group that names one of them.
   u.origin.clear();
@@ -53,7 +47,7 @@ void AllGatherDispatcher::forward(int64_t use, const float* x, const int32_t* I,
   out_.assign(size_t(total * d), 0.f);
   ffn_experts_forward(u.work, p, out_.data(), ws_);
   mine_.resize(size_t(n * d));
-  ep_.reduce_scatter_sum(out_, mine_, scaled(u.tokens, d));
+  ep_.reduce_scatter_sum(out_, mine_, scaled_counts(u.tokens, d));
   for (int64_t i = 0; i < n * d; ++i) y[i] += mine_[i];
 }
 
@@ -64,20 +58,20 @@ void AllGatherDispatcher::backward(int64_t use, const float* dy, float* dx, floa
   // Every read of dy happens here, before dx (possibly the same buffer) is written.
   out_.resize(size_t(total * d));  // every output-row gradient of the group
   std::copy_n(dy, n * d, out_.begin() + u.first * d);
-  ep_.all_gather_v(std::span<float>(out_), scaled(u.tokens, d));
+  ep_.all_gather_v(std::span<float>(out_), scaled_counts(u.tokens, d));
 
   din_.assign(size_t(total * d), 0.f);
   dweight_.resize(u.origin.size());
   ffn_experts_backward(u.work, p, out_.data(), din_.data(), dweight_.data(), dhidden_, ws_);
   mine_.resize(size_t(n * d));
-  ep_.reduce_scatter_sum(din_, mine_, scaled(u.tokens, d));
+  ep_.reduce_scatter_sum(din_, mine_, scaled_counts(u.tokens, d));
   for (int64_t i = 0; i < n * d; ++i) dx[i] += mine_[i];
 
   // Each selection's weight gradient comes from the one rank owning its expert.
   out_.assign(size_t(total * k), 0.f);
   for (size_t s = 0; s < u.origin.size(); ++s) out_[u.origin[s]] = dweight_[s];
   mine_.resize(size_t(n * k));
-  ep_.reduce_scatter_sum(std::span<const float>(out_.data(), size_t(total * k)), mine_, scaled(u.tokens, k));
+  ep_.reduce_scatter_sum(std::span<const float>(out_.data(), size_t(total * k)), mine_, scaled_counts(u.tokens, k));
   std::copy_n(mine_.begin(), n * k, dw);
 }
 

@@ -28,7 +28,6 @@ class AllGatherDispatcher final : public TokenDispatcher<float> {
     std::vector<int32_t> origin;      // gathered t·k + j of each local selection
     ExpertWork<float> work;
   };
-  std::vector<int64_t> scaled(const std::vector<int64_t>& counts, int64_t width) const;
 
   Communicator& ep_;
   ExpertShard shard_;

@@ -6,12 +6,6 @@
 namespace moeut {
 namespace {
 
-std::vector<int64_t> scaled(const std::vector<int64_t>& counts, int64_t width) {
-  std::vector<int64_t> out(counts.size());
-  for (size_t i = 0; i < counts.size(); ++i) out[i] = counts[i] * width;
-  return out;
-}
-
 int64_t total(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t(0)); }
 
 }  // namespace
@@ -27,7 +21,7 @@ AllToAllDispatcher::AllToAllDispatcher(Communicator& expert_parallel, int64_t n_
 template <typename T>
 void AllToAllDispatcher::exchange(const T* send, const std::vector<int64_t>& send_counts, T* recv,
                                   const std::vector<int64_t>& recv_counts, int64_t width) {
-  const std::vector<int64_t> sc = scaled(send_counts, width), rc = scaled(recv_counts, width);
+  const std::vector<int64_t> sc = scaled_counts(send_counts, width), rc = scaled_counts(recv_counts, width);
   ep_.all_to_all_v(send, sc, recv, rc);
   bytes_sent_ += (total(sc) - sc[ep_.rank()]) * int64_t(sizeof(T));
 }

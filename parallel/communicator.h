@@ -43,6 +43,13 @@ class Communicator {
   virtual void all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) = 0;
 };
 
+// Per-rank element counts for rows of `width` elements: counts[i] * width.
+inline std::vector<int64_t> scaled_counts(const std::vector<int64_t>& counts, int64_t width) {
+  std::vector<int64_t> out(counts.size());
+  for (size_t i = 0; i < counts.size(); ++i) out[i] = counts[i] * width;
+  return out;
+}
+
 // The group of one process: every collective is a copy.
 class SelfCommunicator final : public Communicator {
  public:
