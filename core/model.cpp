@@ -208,6 +208,10 @@ void Model<T>::ffn_forward(int64_t l) {
   gemm(false, true, N, Ef, d, T(1), a.xn2.data(), d, param(p + "ffn.expert_sel"), d, T(0), a.z.data(), Ef);
   topk_sigmoid_forward(a.i_ff.data(), a.w_ff.data(), a.z.data(), N, 1, Ef, kf);
   std::copy(a.x_mid.begin(), a.x_mid.end(), xs_[l + 1].begin());
+  if (!dispatcher_)
+    throw std::logic_error("Model holds FFN experts " + std::to_string(layout_.shard().begin) + ".." +
+                           std::to_string(layout_.shard().begin + layout_.shard().count - 1) +
+                           " only and has no token dispatcher to reach the others (set_dispatcher)");
   dispatcher_->forward(l, a.x_mid.data(), a.i_ff.data(), a.w_ff.data(), N, kf, expert_params(l), xs_[l + 1].data());
 }
 

@@ -54,5 +54,18 @@ TEST(ModelGradient, TotalLossMatchesFiniteDifferencesForEveryParameter) {
   }
 }
 
+TEST(Model, AShardWithoutADispatcherIsRefusedClearly) {
+  ModelConfig cfg = tiny_grad_config();
+  Model<float> shard(cfg, expert_shard(cfg.ff_n_experts, 2, 1));
+  shard.init(1);
+  std::vector<int32_t> tokens(size_t(cfg.context + 1), 1);
+  try {
+    shard.forward_ce_sum(tokens.data(), 1);
+    ADD_FAILURE() << "a shard without a dispatcher ran";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no token dispatcher"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace moeut
