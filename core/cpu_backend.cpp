@@ -16,8 +16,6 @@ class CpuBackend final : public TrainingBackend {
       model_.set_dispatcher(std::make_unique<AllGatherDispatcher>(*g.expert_parallel, c.model.ff_n_experts));
     else if (g.ep() > 1)
       model_.set_dispatcher(std::make_unique<AllToAllDispatcher>(*g.expert_parallel, c.model.ff_n_experts));
-    else
-      model_.set_dispatcher(std::make_unique<LocalDispatcher<float>>(c.model.ff_n_experts));
     model_.init(c.train.seed);
   }
   const char* device() const override { return "cpu"; }

@@ -61,13 +61,12 @@ void build_selection(CvmmSelection& sel, const int32_t* index, int64_t n, int64_
 
 template <typename T>
 Model<T>::Model(const ModelConfig& config)
-    : Model(config, expert_shard(config.ff_n_experts, 1, 0)) {
-  dispatcher_ = std::make_unique<LocalDispatcher<T>>(cfg_.ff_n_experts);
-}
+    : Model(config, expert_shard(config.ff_n_experts, 1, 0)) {}
 
 template <typename T>
 Model<T>::Model(const ModelConfig& config, ExpertShard shard)
     : cfg_((validate(config), config)), layout_(cfg_, shard) {
+  if (shard.count == cfg_.ff_n_experts) dispatcher_ = std::make_unique<LocalDispatcher<T>>(cfg_.ff_n_experts);
   params.assign(size_t(layout_.total()), T(0));
   grads.assign(size_t(layout_.total()), T(0));
 }

@@ -22,8 +22,9 @@ struct LossParts {
 template <typename T>
 class Model {
  public:
-  // Holds the FFN experts of `shard` (all of them by default). A model holding only a shard
-  // needs a dispatcher that reaches the other shards (set_dispatcher) before it runs.
+  // Holds the FFN experts of `shard` (all of them by default). Holding all of them, it
+  // dispatches tokens locally; holding only a shard, it needs a dispatcher that reaches the
+  // other shards (set_dispatcher) before it runs.
   explicit Model(const ModelConfig& config);
   Model(const ModelConfig& config, ExpertShard shard);
   void set_dispatcher(std::unique_ptr<TokenDispatcher<T>> d) { dispatcher_ = std::move(d); }
