@@ -19,10 +19,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 using cuda::DeviceBuffer;
-
-void check_cublas(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS error ") + std::to_string(int(s)) + " in " + what);
-}
+using cuda::check_cublas;
 
 }  // namespace
 

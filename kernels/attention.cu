@@ -9,10 +9,6 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-void check_cublas(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS error ") + std::to_string(int(s)) + " in " + what);
-}
-
 // Column-major product per head, batched over the H heads of one sequence:
 // C_h = op(A_h) · op(B_h), with A_h, B_h, C_h at strides sa, sb, sc from a, b, c.
 void batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k,

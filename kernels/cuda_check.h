@@ -1,6 +1,7 @@
-// Checks the result of every CUDA runtime and cuBLAS call: a failure throws with the call, the
-// file and the line.
+// Checks the result of every CUDA runtime and cuBLAS call: a failure throws naming the call (and,
+// for the runtime, the file and the line).
 #pragma once
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -11,6 +12,11 @@ namespace moeut::cuda {
 [[noreturn]] inline void cuda_fail(cudaError_t e, const char* call, const char* file, int line) {
   throw std::runtime_error(std::string("CUDA error ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
                            ") in " + call + " at " + file + ":" + std::to_string(line));
+}
+
+inline void check_cublas(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string("cuBLAS error ") + std::to_string(int(s)) + " in " + what);
 }
 
 }  // namespace moeut::cuda

@@ -8,10 +8,6 @@
 namespace moeut::cuda {
 namespace {
 
-void check_cublas(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLAS error ") + std::to_string(int(s)) + " in " + what);
-}
-
 __global__ void broadcast_bias(float* logits, const __nv_bfloat16* bias, int64_t m, int V) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < m * V; i += int64_t(gridDim.x) * blockDim.x)
     logits[i] = __bfloat162float(bias[i % V]);
