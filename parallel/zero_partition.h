@@ -1,0 +1,63 @@
+// How ZeRO stage 1 splits the parameter buffer among ranks; one partition serves the CPU and
+// GPU optimizers and the checkpoints. The replicated range is shared by the world group, the
+// expert range by the expert-data-parallel group. Each range is cut into buckets (one
+// collective per bucket, not per tensor) and every bucket into one chunk per rank of its group;
+// a rank owns its chunk of every bucket: it keeps the fp32 master and AdamW moments for it.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "core/params.h"
+#include "parallel/communicator.h"
+
+namespace moeut {
+
+enum class ZeroGroup { kWorld, kExpertDataParallel };
+
+struct ZeroBucket {
+  int64_t offset = 0, length = 0;  // in the parameter buffer
+  ZeroGroup group = ZeroGroup::kWorld;
+  std::vector<int64_t> chunks;     // elements per rank of the group
+  int64_t mine_offset = 0;         // this rank's chunk, from the bucket's start
+  int64_t state_offset = 0;        // this rank's chunk, in the concatenation of its chunks
+  int64_t mine = 0;                // elements in this rank's chunk
+};
+
+class ZeroPartition {
+ public:
+  static constexpr int64_t kDefaultBucket = int64_t(1) << 22;
+  ZeroPartition(const ParamLayout& layout, const ProcessGroups& groups, int64_t bucket_elements = kDefaultBucket);
+  const std::vector<ZeroBucket>& buckets() const { return buckets_; }
+  int64_t owned_elements() const { return owned_; }  // sum of this rank's chunks
+
+ private:
+  void add_range(int64_t begin, int64_t end, ZeroGroup group, const Communicator& comm, int64_t bucket_elements);
+  std::vector<ZeroBucket> buckets_;
+  int64_t owned_ = 0;
+};
+
+inline ZeroPartition::ZeroPartition(const ParamLayout& layout, const ProcessGroups& groups, int64_t bucket_elements) {
+  add_range(0, layout.replicated(), ZeroGroup::kWorld, *groups.world, bucket_elements);
+  add_range(layout.replicated(), layout.total(), ZeroGroup::kExpertDataParallel, *groups.expert_data_parallel,
+            bucket_elements);
+}
+
+inline void ZeroPartition::add_range(int64_t begin, int64_t end, ZeroGroup group, const Communicator& comm,
+                                     int64_t bucket_elements) {
+  const int64_t ranks = comm.size();
+  for (int64_t off = begin; off < end; off += bucket_elements) {
+    ZeroBucket b;
+    b.offset = off;
+    b.length = std::min(bucket_elements, end - off);
+    b.group = group;
+    for (int64_t r = 0; r < ranks; ++r) b.chunks.push_back(b.length / ranks + (r < b.length % ranks ? 1 : 0));
+    for (int64_t r = 0; r < comm.rank(); ++r) b.mine_offset += b.chunks[size_t(r)];
+    b.mine = b.chunks[size_t(comm.rank())];
+    b.state_offset = owned_;
+    owned_ += b.mine;
+    buckets_.push_back(std::move(b));
+  }
+}
+
+}  // namespace moeut
