@@ -28,6 +28,9 @@ class CpuBackend final : public TrainingBackend {
   double step(double lr, const TrainConfig& t) override { return optimizer_.step(model_.params, model_.grads, lr, t); }
   std::vector<float> parameters() override { return model_.params; }
   int64_t optimizer_state_bytes() const override { return optimizer_.state_bytes(); }
+  const ZeroPartition& partition() const override { return optimizer_.partition(); }
+  OptimizerShard optimizer_shard() override { return optimizer_.shard(model_.params); }
+  void load_optimizer_shard(const OptimizerShard& s) override { optimizer_.load(s, model_.params); }
 
  private:
   Model<float> model_;

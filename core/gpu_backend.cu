@@ -8,7 +8,10 @@ namespace {
 class GpuBackend final : public TrainingBackend {
  public:
   explicit GpuBackend(const Config& c)
-      : micro_(c.train.micro_batch_size), model_(c.model, micro_), optimizer_(model_.layout().total()) {
+      : micro_(c.train.micro_batch_size),
+        model_(c.model, micro_),
+        partition_(model_.layout(), ProcessGroups::single()),
+        optimizer_(model_.layout().total()) {
     Model<float> init(c.model);  // the spec's initialisation, drawn on the host as the CPU path does
     init.init(c.train.seed);
     model_.set_parameters(init.params);
@@ -24,10 +27,14 @@ class GpuBackend final : public TrainingBackend {
   double step(double lr, const TrainConfig& t) override { return optimizer_.step(model_, lr, t); }
   std::vector<float> parameters() override { return model_.parameters(); }
   int64_t optimizer_state_bytes() const override { return 2 * model_.layout().total() * int64_t(sizeof(float)); }
+  const ZeroPartition& partition() const override { return partition_; }
+  OptimizerShard optimizer_shard() override { return optimizer_.shard(model_); }
+  void load_optimizer_shard(const OptimizerShard& s) override { optimizer_.load(s, model_); }
 
  private:
   int64_t micro_;
   GpuModel model_;
+  ZeroPartition partition_;  // one process owns everything
   GpuAdamW optimizer_;
 };
 

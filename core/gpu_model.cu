@@ -337,4 +337,18 @@ double GpuAdamW::step(GpuModel& model, double lr, const TrainConfig& t) {
   return norm;
 }
 
+OptimizerShard GpuAdamW::shard(const GpuModel& model) const {
+  return {model.parameters(), m_.download(), v_.download(), steps_};
+}
+
+void GpuAdamW::load(const OptimizerShard& s, GpuModel& model) {
+  if (s.master.size() != m_.size() || s.m.size() != m_.size() || s.v.size() != m_.size() || s.steps < 0)
+    throw std::invalid_argument("optimizer shard of " + std::to_string(s.master.size()) + " elements for " +
+                                std::to_string(m_.size()) + " parameters");
+  model.set_parameters(s.master);
+  m_.upload(s.m);
+  v_.upload(s.v);
+  steps_ = s.steps;
+}
+
 }  // namespace moeut

@@ -11,6 +11,7 @@
 #include "core/config.h"
 #include "core/model.h"
 #include "core/params.h"
+#include "parallel/zero_partition.h"
 #include "kernels/attention_cuda.h"
 #include "kernels/cvmm_cuda.h"
 #include "kernels/device_buffer.h"
@@ -97,6 +98,9 @@ class GpuAdamW {
   explicit GpuAdamW(int64_t n);
   // Returns the gradient norm before clipping (one device-to-host read per step).
   double step(GpuModel& model, double lr, const TrainConfig& t);
+  // The fp32 master weights and moments of every parameter, for checkpoints.
+  OptimizerShard shard(const GpuModel& model) const;
+  void load(const OptimizerShard& shard, GpuModel& model);
 
  private:
   cuda::DeviceBuffer<float> m_, v_;

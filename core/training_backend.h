@@ -9,10 +9,9 @@
 #include "core/config.h"
 #include "core/model.h"
 #include "core/params.h"
+#include "parallel/zero_partition.h"
 
 namespace moeut {
-
-struct ProcessGroups;
 
 class TrainingBackend {
  public:
@@ -27,6 +26,12 @@ class TrainingBackend {
   virtual double step(double lr, const TrainConfig& t) = 0;
   virtual std::vector<float> parameters() = 0;  // in layout() order
   virtual int64_t optimizer_state_bytes() const = 0;
+  // Checkpoints: how the optimizer splits layout()'s buffer over the ranks, this rank's part
+  // (fp32 master and moments, in partition order), and installing such a part, after which
+  // every rank holds the same parameters (a collective).
+  virtual const ZeroPartition& partition() const = 0;
+  virtual OptimizerShard optimizer_shard() = 0;
+  virtual void load_optimizer_shard(const OptimizerShard& shard) = 0;
 };
 
 // CPU: this rank's shard of the experts, the dispatcher its group needs, sharded AdamW.

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
 #include "kernels/adamw.h"
 #include "kernels/grad_norm.h"
@@ -30,8 +32,34 @@ double ShardedAdamW::step(std::span<float> params, std::span<float> grads, doubl
   for (const ZeroBucket& b : buckets)
     adamw_update(params.data() + b.offset + b.mine_offset, grad_shard_.data() + b.state_offset,
                  m_.data() + b.state_offset, v_.data() + b.state_offset, b.mine, h, steps_, coef);
-  for (const ZeroBucket& b : buckets) comm(b).all_gather_v(params.subspan(size_t(b.offset), size_t(b.length)), b.chunks);
+  all_gather(params);
   return norm;
+}
+
+void ShardedAdamW::all_gather(std::span<float> params) {
+  for (const ZeroBucket& b : partition_.buckets())
+    comm(b).all_gather_v(params.subspan(size_t(b.offset), size_t(b.length)), b.chunks);
+}
+
+OptimizerShard ShardedAdamW::shard(std::span<const float> params) const {
+  OptimizerShard s{{}, m_, v_, steps_};
+  s.master.resize(m_.size());
+  for (const ZeroBucket& b : partition_.buckets())
+    std::copy_n(params.data() + b.offset + b.mine_offset, b.mine, s.master.data() + b.state_offset);
+  return s;
+}
+
+void ShardedAdamW::load(const OptimizerShard& s, std::span<float> params) {
+  const size_t n = size_t(partition_.owned_elements());
+  if (s.master.size() != n || s.m.size() != n || s.v.size() != n || s.steps < 0)
+    throw std::invalid_argument("optimizer shard of " + std::to_string(s.master.size()) + " elements for a partition of " +
+                                std::to_string(n));
+  for (const ZeroBucket& b : partition_.buckets())
+    std::copy_n(s.master.data() + b.state_offset, b.mine, params.data() + b.offset + b.mine_offset);
+  m_ = s.m;
+  v_ = s.v;
+  steps_ = s.steps;
+  all_gather(params);
 }
 
 }  // namespace moeut

@@ -26,8 +26,15 @@ class ShardedAdamW {
   int64_t state_bytes() const { return int64_t((m_.size() + v_.size()) * sizeof(float)); }
   int64_t steps_taken() const { return steps_; }
   const ZeroPartition& partition() const { return partition_; }
+  // This rank's chunks of params with their moments.
+  OptimizerShard shard(std::span<const float> params) const;
+  // Installs a shard for this partition into params and the moments, then all-gathers the
+  // chunks so that every rank holds the same parameters. Throws std::invalid_argument when the
+  // shard's sizes do not fit the partition.
+  void load(const OptimizerShard& shard, std::span<float> params);
 
  private:
+  void all_gather(std::span<float> params);
   Communicator& comm(const ZeroBucket& b) const {
     return b.group == ZeroGroup::kWorld ? world_ : expert_data_parallel_;
   }

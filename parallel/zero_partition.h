@@ -37,6 +37,13 @@ class ZeroPartition {
   int64_t owned_ = 0;
 };
 
+// What one rank's optimizer owns, as checkpoints save and load it: for each of its chunks, in
+// state order, the fp32 master values and AdamW moments.
+struct OptimizerShard {
+  std::vector<float> master, m, v;  // ZeroPartition::owned_elements() each
+  int64_t steps = 0;                // optimizer steps taken (AdamW bias correction)
+};
+
 inline ZeroPartition::ZeroPartition(const ParamLayout& layout, const ProcessGroups& groups, int64_t bucket_elements) {
   add_range(0, layout.replicated(), ZeroGroup::kWorld, *groups.world, bucket_elements);
   add_range(layout.replicated(), layout.total(), ZeroGroup::kExpertDataParallel, *groups.expert_data_parallel,
