@@ -67,7 +67,13 @@ po::options_description train_options(TrainConfig& t) {
       ("ep", po::value(&t.ep)->default_value(t.ep), "expert-parallel group size: ranks that share one copy of the FFN experts")
       ("device", po::value(&t.device)->default_value(t.device), "cpu, cuda, or auto (cuda when a GPU is present)")
       ("dispatcher", po::value(&t.dispatcher)->default_value(t.dispatcher),
-       "expert-parallel token dispatch: all_to_all (copies to the ranks that need them) or all_gather");
+       "expert-parallel token dispatch: all_to_all (copies to the ranks that need them) or all_gather")
+      ("checkpoint_dir", po::value(&t.checkpoint_dir), "directory of sharded checkpoints (step_<N>/); none when empty")
+      ("checkpoint_every", po::value(&t.checkpoint_every)->default_value(t.checkpoint_every),
+       "steps between checkpoints (0: only at the end)")
+      ("keep_checkpoints", po::value(&t.keep_checkpoints)->default_value(t.keep_checkpoints),
+       "newest checkpoints kept in checkpoint_dir (0: all)")
+      ("resume", po::value(&t.resume), "continue from a checkpoint: a step_<N> directory, or latest (in checkpoint_dir)");
   return o;
 }
 
@@ -139,6 +145,11 @@ void validate(const Config& c) {
   if (t.train_data.empty()) fail("train_data", "is required");
   if (t.val_data.empty()) fail("val_data", "is required");
   if (t.out_weights.empty()) fail("out_weights", "must not be empty");
+  if (t.checkpoint_every < 0) fail("checkpoint_every", "must be >= 0 (0: only at the end)");
+  if (t.keep_checkpoints < 0) fail("keep_checkpoints", "must be >= 0 (0: keep all)");
+  if (t.checkpoint_dir.empty() && (t.checkpoint_every > 0 || t.keep_checkpoints > 0))
+    fail(t.checkpoint_every > 0 ? "checkpoint_every" : "keep_checkpoints", "needs checkpoint_dir");
+  if (t.resume == "latest" && t.checkpoint_dir.empty()) fail("resume", "latest needs checkpoint_dir");
 }
 
 bool parse_train_args(int argc, const char* const* argv, Config& out) {

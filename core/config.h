@@ -63,6 +63,11 @@ struct TrainConfig {
   int64_t ep = 1;                // expert-parallel group size (ranks sharing one set of experts)
   std::string device = "auto";   // cpu, cuda, or auto (cuda when built with it and a GPU is there)
   std::string dispatcher = "all_to_all";  // expert-parallel token dispatch: all_to_all or all_gather
+  // Sharded checkpoints (docs/CHECKPOINTS.md).
+  std::string checkpoint_dir;    // where step_<N>/ directories go; empty: no checkpoints
+  int64_t checkpoint_every = 0;  // steps between checkpoints; 0: only at the end
+  int64_t keep_checkpoints = 0;  // the newest checkpoints kept; 0: all
+  std::string resume;            // a step_<N> directory, or "latest" (the newest in checkpoint_dir)
 };
 
 struct Config {

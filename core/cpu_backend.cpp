@@ -45,7 +45,7 @@ std::unique_ptr<TrainingBackend> make_cpu_backend(const Config& c, const Process
 
 #ifndef MOEUT_HAVE_CUDA
 bool gpu_backend_available() { return false; }
-std::unique_ptr<TrainingBackend> make_gpu_backend(const Config&) {
+std::unique_ptr<TrainingBackend> make_gpu_backend(const Config&, const ProcessGroups&) {
   throw ConfigError("invalid configuration: device: cuda asked for, but this build has no CUDA backend");
 }
 #endif

@@ -5,9 +5,7 @@
 #include <numeric>
 #include <string>
 
-#include "kernels/adamw_cuda.h"
 #include "kernels/cuda_check.h"
-#include "kernels/grad_norm.h"
 #include "kernels/embedding_cuda.h"
 #include "kernels/layernorm_cuda.h"
 #include "kernels/relu_cuda.h"
@@ -38,7 +36,6 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch)
   const int64_t T = cfg_.context, N = batch * T, d = cfg_.d_model, H = cfg_.n_heads;
   const int64_t hd = H * cfg_.d_head, he = H * cfg_.att_n_experts, hk = H * cfg_.att_k;
   const int64_t Ef = cfg_.ff_n_experts, kf = cfg_.ff_k, total = layout_.total();
-  master_ = DeviceBuffer<float>(size_t(total));
   grads_ = DeviceBuffer<float>(size_t(total));
   working_ = DeviceBuffer<bf16>(size_t(total));
   inputs_ = DeviceBuffer<int32_t>(size_t(N));
@@ -89,14 +86,12 @@ bf16* GpuModel::wparam(const std::string& name) const { return working_.get() + 
 float* GpuModel::gparam(const std::string& name) const { return grads_.get() + layout_.at(name).offset; }
 
 void GpuModel::set_parameters(const std::vector<float>& params) {
-  master_.upload(params);
-  cuda::to_bf16(working_.get(), master_.get(), int64_t(params.size()), stream_);
+  if (int64_t(params.size()) != layout_.total())
+    throw std::invalid_argument("GpuModel: " + std::to_string(params.size()) + " parameters for a layout of " +
+                                std::to_string(layout_.total()));
+  const DeviceBuffer<float> fp32(params);
+  cuda::to_bf16(working_.get(), fp32.get(), int64_t(params.size()), stream_);
   MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-}
-
-std::vector<float> GpuModel::parameters() const {
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return master_.download();
 }
 
 std::vector<float> GpuModel::gradients() const {
@@ -315,40 +310,6 @@ void GpuModel::attention_backward(int64_t l) {
   dense_backward(dk_.get(), L.xn1.get(), p + "attention.k.weight", N, hd, s, dxn_.get(), true);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
                            wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_);
-}
-
-GpuAdamW::GpuAdamW(int64_t n) : m_(size_t(n)), v_(size_t(n)), sq_(1) {
-  MOEUT_CUDA_CHECK(cudaMemset(m_.get(), 0, m_.size() * sizeof(float)));
-  MOEUT_CUDA_CHECK(cudaMemset(v_.get(), 0, v_.size() * sizeof(float)));
-}
-
-double GpuAdamW::step(GpuModel& model, double lr, const TrainConfig& t) {
-  const int64_t n = int64_t(m_.size());
-  cudaStream_t s = model.stream();
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(sq_.get(), 0, sizeof(double), s));
-  cuda::sum_of_squares(sq_.get(), model.grads(), n, s);
-  double sq = 0;
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(&sq, sq_.get(), sizeof(double), cudaMemcpyDeviceToHost, s));
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(s));
-  const double norm = std::sqrt(sq);
-  const AdamWHyper h{lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay};
-  cuda::adamw_update(model.master(), model.working(), model.grads(), m_.get(), v_.get(), n, h, ++steps_,
-                     clip_coefficient(norm, t.grad_clip), s);
-  return norm;
-}
-
-OptimizerShard GpuAdamW::shard(const GpuModel& model) const {
-  return {model.parameters(), m_.download(), v_.download(), steps_};
-}
-
-void GpuAdamW::load(const OptimizerShard& s, GpuModel& model) {
-  if (s.master.size() != m_.size() || s.m.size() != m_.size() || s.v.size() != m_.size() || s.steps < 0)
-    throw std::invalid_argument("optimizer shard of " + std::to_string(s.master.size()) + " elements for " +
-                                std::to_string(m_.size()) + " parameters");
-  model.set_parameters(s.master);
-  m_.upload(s.m);
-  v_.upload(s.v);
-  steps_ = s.steps;
 }
 
 }  // namespace moeut

@@ -1,6 +1,6 @@
 // MoEUT on one GPU, mixed precision: bf16 working parameters and activations, fp32 residual
-// stream, fp32 routing logits / LayerNorm statistics / losses, fp32 master weights and
-// gradients. Same parameter layout as Model (core/params.h), so parameters move between the two
+// stream, fp32 routing logits / LayerNorm statistics / losses, fp32 gradients (the fp32 master
+// weights live in the optimizer, parallel/gpu_sharded_optimizer.h). Same parameter layout as Model (core/params.h), so parameters move between the two
 // as one buffer. The forward pass keeps, per logical layer, what the backward pass needs.
 #pragma once
 #include <cublas_v2.h>
@@ -11,7 +11,6 @@
 #include "core/config.h"
 #include "core/model.h"
 #include "core/params.h"
-#include "parallel/zero_partition.h"
 #include "kernels/attention_cuda.h"
 #include "kernels/cvmm_cuda.h"
 #include "kernels/device_buffer.h"
@@ -29,11 +28,10 @@ class GpuModel {
 
   const ModelConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
-  void set_parameters(const std::vector<float>& params);  // fp32 master and bf16 working copy
-  std::vector<float> parameters() const;
+  // The bf16 working copy of every parameter (the fp32 master copy lives in the optimizer).
+  void set_parameters(const std::vector<float>& params);
   std::vector<float> gradients() const;
   void zero_gradients();
-  float* master() { return master_.get(); }
   __nv_bfloat16* working() { return working_.get(); }
   float* grads() { return grads_.get(); }
   cudaStream_t stream() const { return stream_; }
@@ -74,7 +72,7 @@ class GpuModel {
   int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
-  cuda::DeviceBuffer<float> master_, grads_;
+  cuda::DeviceBuffer<float> grads_;
   cuda::DeviceBuffer<bf16> working_;
   cuda::DeviceBuffer<int32_t> inputs_, targets_;
   std::vector<cuda::DeviceBuffer<float>> xs_;  // residual entering each layer, and the final one
@@ -91,21 +89,5 @@ class GpuModel {
   std::unique_ptr<cuda::CvmmPlanner> planner_;
 };
 
-// AdamW over every parameter of a GpuModel: fp32 moments on the device, global-norm clipping,
-// the bf16 working copy rewritten in the same pass.
-class GpuAdamW {
- public:
-  explicit GpuAdamW(int64_t n);
-  // Returns the gradient norm before clipping (one device-to-host read per step).
-  double step(GpuModel& model, double lr, const TrainConfig& t);
-  // The fp32 master weights and moments of every parameter, for checkpoints.
-  OptimizerShard shard(const GpuModel& model) const;
-  void load(const OptimizerShard& shard, GpuModel& model);
-
- private:
-  cuda::DeviceBuffer<float> m_, v_;
-  cuda::DeviceBuffer<double> sq_;
-  int64_t steps_ = 0;
-};
 
 }  // namespace moeut

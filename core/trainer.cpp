@@ -72,14 +72,11 @@ const Config& checked(const Config& c, const ProcessGroups& g) {
                       std::to_string(world * c.train.micro_batch_size) + ")");
   if (c.train.device == "cuda" && !gpu_backend_available())
     throw ConfigError("invalid configuration: device: cuda asked for, but no GPU is available to this build");
-  if (c.train.device == "cuda" && world > 1)
-    throw ConfigError("invalid configuration: device: GPU ranks need the NCCL backend, not built yet; "
-                      "run one GPU process, or --device cpu for MPI ranks");
   return c;
 }
 
 bool use_gpu(const Config& c, const ProcessGroups& g) {
-  return c.train.device == "cuda" || (c.train.device == "auto" && g.world->size() == 1 && gpu_backend_available());
+  return c.train.device == "cuda" || (c.train.device == "auto" && gpu_backend_available());
 }
 
 }  // namespace
@@ -91,11 +88,12 @@ Trainer::Trainer(const Config& config, const ProcessGroups& groups)
       train_(open_data(cfg_.train.train_data, "train_data", cfg_.model)),
       val_(open_data(cfg_.train.val_data, "val_data", cfg_.model)) {
   if (cfg_.train.threads > 0) omp_set_num_threads(int(cfg_.train.threads));
-  backend_ = use_gpu(cfg_, groups) ? make_gpu_backend(cfg_) : make_cpu_backend(cfg_, groups);
+  backend_ = use_gpu(cfg_, groups) ? make_gpu_backend(cfg_, groups) : make_cpu_backend(cfg_, groups);
   if (!leader()) return;
   const std::filesystem::path metrics(cfg_.train.metrics);
   if (metrics.has_parent_path()) std::filesystem::create_directories(metrics.parent_path());
-  metrics_.open(metrics, std::ios::trunc);
+  // A resumed run continues the metrics of the run it resumes.
+  metrics_.open(metrics, cfg_.train.resume.empty() ? std::ios::trunc : std::ios::app);
   if (!metrics_) throw std::runtime_error("cannot write metrics file '" + cfg_.train.metrics + "'");
 }
 
@@ -117,7 +115,7 @@ double Trainer::run() {
                 backend_->optimizer_state_bytes() / 1e6, backend_->device(), omp_get_max_threads());
   std::vector<int32_t> tokens(size_t(micro * (T + 1)));
   const int64_t first_sequence = groups_.world->rank() * local_batch_;
-  for (int64_t step = 0; step < t.steps; ++step) {
+  for (int64_t step = start_step_; step < t.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     backend_->zero_gradients();
     double parts[3] = {0, 0, 0};  // ce, reg_ffn, reg_att, weighted by share of the global batch
@@ -141,6 +139,7 @@ double Trainer::run() {
     log_step(step + 1, loss, lr, norm, double(t.batch_size * T) / seconds);
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps)
       log_validation(step + 1, validation_loss(t.eval_batches * micro), false);
+    if (after_step_) after_step_(step + 1);
   }
   const double final_loss = validation_loss(0);
   log_validation(t.steps, final_loss, true);

@@ -39,12 +39,24 @@ class Trainer {
   // initialises this rank's part of the model. Throws ConfigError before any collective when
   // they do not fit.
   Trainer(const Config& config, const ProcessGroups& groups);
-  // Trains every step (rank 0 logs); returns the loss over the whole validation file.
+  // Trains every step from the start step on (rank 0 logs); returns the loss over the whole
+  // validation file.
   double run();
-  const std::vector<double>& losses() const { return losses_; }  // total loss of every step
+  const std::vector<double>& losses() const { return losses_; }  // total loss of every step run() trained
   // Every parameter of the model, expert shards gathered over the expert-parallel group (a
   // collective over it). In ParamLayout(config.model) order.
   std::vector<float> full_parameters();
+
+  // For checkpoints (checkpoints/checkpoint.h), which save and load the backend's state.
+  const Config& config() const { return cfg_; }
+  const ProcessGroups& groups() const { return groups_; }
+  TrainingBackend& backend() { return *backend_; }
+  // Continues a run whose first `steps_done` steps are in the backend's (loaded) state: the
+  // schedule and the data order are functions of the step, so nothing else is needed.
+  void start_at(int64_t steps_done) { start_step_ = steps_done; }
+  // Called on every rank after each step (its update and any validation report) with the
+  // number of steps done.
+  void after_step(std::function<void(int64_t steps_done)> hook) { after_step_ = std::move(hook); }
 
  private:
   void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double tokens_per_s);
@@ -59,6 +71,8 @@ class Trainer {
   std::unique_ptr<TrainingBackend> backend_;
   std::ofstream metrics_;
   std::vector<double> losses_;
+  int64_t start_step_ = 0;
+  std::function<void(int64_t)> after_step_;
 };
 
 }  // namespace moeut

@@ -1,6 +1,6 @@
 // What the training loop needs from a model and its optimizer, whatever device holds them:
 // the CPU backend (Model, a token dispatcher, ZeRO-sharded AdamW over MPI ranks) and the GPU
-// backend (GpuModel and GpuAdamW on one GPU).
+// backend (GpuModel and ZeRO-sharded AdamW over NCCL, one GPU per rank).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -36,8 +36,9 @@ class TrainingBackend {
 
 // CPU: this rank's shard of the experts, the dispatcher its group needs, sharded AdamW.
 std::unique_ptr<TrainingBackend> make_cpu_backend(const Config& c, const ProcessGroups& groups);
-// GPU: the whole model on the current device, micro-batches of c.train.micro_batch_size.
-std::unique_ptr<TrainingBackend> make_gpu_backend(const Config& c);
+// GPU: one GPU per rank (chosen by the rank within its node), micro-batches of
+// c.train.micro_batch_size, ZeRO-sharded AdamW over NCCL.
+std::unique_ptr<TrainingBackend> make_gpu_backend(const Config& c, const ProcessGroups& groups);
 bool gpu_backend_available();  // built with CUDA and a device present
 
 }  // namespace moeut

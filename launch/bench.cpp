@@ -9,6 +9,7 @@
 #include "core/gpu_model.h"
 #include "core/model.h"
 #include "launch/cuda_timing.h"
+#include "parallel/gpu_sharded_optimizer.h"
 
 namespace po = boost::program_options;
 using namespace moeut;
@@ -49,7 +50,8 @@ int main(int argc, char** argv) {
     }
     GpuModel model(m, batch);
     model.set_parameters(params);
-    GpuAdamW optimizer(int64_t(params.size()));
+    const ProcessGroups one = ProcessGroups::single();
+    GpuShardedAdamW optimizer(model.layout(), one, params, model.stream());
     std::vector<int32_t> tokens(size_t(batch * (m.context + 1)));
     Rng rng(7);
     for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(m.n_tokens));
@@ -67,7 +69,7 @@ int main(int argc, char** argv) {
       loss = model.forward_backward(tokens.data(), 1.0);
       MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
       const auto t2 = clock::now();
-      optimizer.step(model, cfg.train.lr, cfg.train);
+      optimizer.step(model.working(), model.grads(), cfg.train.lr, cfg.train);
       MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
       const auto t3 = clock::now();
       if (s < warmup) continue;

@@ -1,6 +1,8 @@
 // Collective communication within one group of ranks. One interface for every backend: MPI for
-// CPU tensors (mpi_communicator.h), a single-process group (here), NCCL for GPU tensors later.
-// Every call's failure throws CommError naming the rank, the group and the operation.
+// CPU tensors (mpi_communicator.h), NCCL for GPU tensors (nccl_communicator.h: the pointers are
+// device pointers, and the calls are ordered on the caller's CUDA stream), and a
+// single-process group (here). Every call's failure throws CommError naming the rank, the
+// group and the operation.
 #pragma once
 #include <cstdint>
 #include <algorithm>
@@ -41,6 +43,7 @@ class Communicator {
   // afterwards every rank has every chunk.
   virtual void all_gather_v(std::span<float> data, std::span<const int64_t> counts) = 0;
   virtual void all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) = 0;
+  virtual void all_gather_v(std::span<uint16_t> data, std::span<const int64_t> counts) = 0;  // bf16 bit patterns
 };
 
 // Per-rank element counts for rows of `width` elements: counts[i] * width.
@@ -72,6 +75,7 @@ class SelfCommunicator final : public Communicator {
   }
   void all_gather_v(std::span<float>, std::span<const int64_t>) override {}
   void all_gather_v(std::span<int32_t>, std::span<const int64_t>) override {}
+  void all_gather_v(std::span<uint16_t>, std::span<const int64_t>) override {}
 
  private:
   std::string name_;

@@ -90,6 +90,10 @@ void MpiCommunicator::all_gather_v(std::span<int32_t> data, std::span<const int6
   all_gather_v(data.data(), counts, MPI_INT32_T, "MPI_Allgatherv(int32)");
 }
 
+void MpiCommunicator::all_gather_v(std::span<uint16_t> data, std::span<const int64_t> counts) {
+  all_gather_v(data.data(), counts, MPI_UINT16_T, "MPI_Allgatherv(uint16)");
+}
+
 ProcessGroups mpi_process_groups(MPI_Comm base, int ep) {
   int rank = 0, size = 1;
   MPI_Comm_rank(base, &rank);

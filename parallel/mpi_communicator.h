@@ -27,6 +27,7 @@ class MpiCommunicator final : public Communicator {
                           std::span<const int64_t> counts) override;
   void all_gather_v(std::span<float> data, std::span<const int64_t> counts) override;
   void all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) override;
+  void all_gather_v(std::span<uint16_t> data, std::span<const int64_t> counts) override;
 
  private:
   void all_gather_v(void* data, std::span<const int64_t> counts, MPI_Datatype type, const char* op);

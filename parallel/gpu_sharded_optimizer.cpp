@@ -1,0 +1,97 @@
+#include "parallel/gpu_sharded_optimizer.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/adamw_cuda.h"
+#include "kernels/cuda_check.h"
+#include "kernels/grad_norm.h"
+#include "kernels/relu_cuda.h"
+
+namespace moeut {
+
+GpuShardedAdamW::GpuShardedAdamW(const ParamLayout& layout, const ProcessGroups& groups,
+                                 const std::vector<float>& initial, cudaStream_t stream, int64_t bucket_elements)
+    : partition_(layout, groups, bucket_elements),
+      world_(*groups.world),
+      expert_data_parallel_(*groups.expert_data_parallel),
+      stream_(stream),
+      total_(layout.total()),
+      master_(size_t(partition_.owned_elements())),
+      m_(size_t(partition_.owned_elements())),
+      v_(size_t(partition_.owned_elements())),
+      sq_(1) {
+  if (int64_t(initial.size()) != total_)
+    throw std::invalid_argument("GpuShardedAdamW: " + std::to_string(initial.size()) + " initial values for " +
+                                std::to_string(total_) + " parameters");
+  for (const ZeroBucket& b : partition_.buckets())
+    MOEUT_CUDA_CHECK(cudaMemcpy(master_.get() + b.state_offset, initial.data() + b.offset + b.mine_offset,
+                                size_t(b.mine) * sizeof(float), cudaMemcpyHostToDevice));
+  MOEUT_CUDA_CHECK(cudaMemset(m_.get(), 0, m_.size() * sizeof(float)));
+  MOEUT_CUDA_CHECK(cudaMemset(v_.get(), 0, v_.size() * sizeof(float)));
+}
+
+double GpuShardedAdamW::step(__nv_bfloat16* working, float* grads, double lr, const TrainConfig& t) {
+  const std::vector<ZeroBucket>& buckets = partition_.buckets();
+  // Each owner's chunk of the summed gradient lands in place, in its own part of grads.
+  for (const ZeroBucket& b : buckets)
+    if (comm(b).size() > 1)
+      comm(b).reduce_scatter_sum(std::span<const float>(grads + b.offset, size_t(b.length)),
+                                 std::span<float>(grads + b.offset + b.mine_offset, size_t(b.mine)), b.chunks);
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(sq_.get(), 0, sizeof(double), stream_));
+  for (const ZeroBucket& b : buckets) cuda::sum_of_squares(sq_.get(), grads + b.offset + b.mine_offset, b.mine, stream_);
+  world_.all_reduce_sum(std::span<double>(sq_.get(), 1));
+  double sq = 0;
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(&sq, sq_.get(), sizeof(double), cudaMemcpyDeviceToHost, stream_));
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const double norm = std::sqrt(sq);
+  const AdamWHyper h{lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay};
+  const double coef = clip_coefficient(norm, t.grad_clip);
+  ++steps_;
+  for (const ZeroBucket& b : buckets) {
+    const int64_t at = b.offset + b.mine_offset;
+    cuda::adamw_update(master_.get() + b.state_offset, working + at, grads + at, m_.get() + b.state_offset,
+                       v_.get() + b.state_offset, b.mine, h, steps_, coef, stream_);
+  }
+  gather_working(working);
+  return norm;
+}
+
+OptimizerShard GpuShardedAdamW::shard() const {
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return {master_.download(), m_.download(), v_.download(), steps_};
+}
+
+void GpuShardedAdamW::load(const OptimizerShard& s, __nv_bfloat16* working) {
+  if (s.master.size() != master_.size() || s.m.size() != m_.size() || s.v.size() != v_.size() || s.steps < 0)
+    throw std::invalid_argument("optimizer shard of " + std::to_string(s.master.size()) +
+                                " elements for a partition of " + std::to_string(master_.size()));
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  master_.upload(s.master);
+  m_.upload(s.m);
+  v_.upload(s.v);
+  steps_ = s.steps;
+  for (const ZeroBucket& b : partition_.buckets())
+    cuda::to_bf16(working + b.offset + b.mine_offset, master_.get() + b.state_offset, b.mine, stream_);
+  gather_working(working);
+}
+
+void GpuShardedAdamW::gather_working(__nv_bfloat16* working) {
+  for (const ZeroBucket& b : partition_.buckets())
+    comm(b).all_gather_v(std::span<uint16_t>(reinterpret_cast<uint16_t*>(working + b.offset), size_t(b.length)),
+                         b.chunks);
+}
+
+std::vector<float> GpuShardedAdamW::parameters() {
+  cuda::DeviceBuffer<float> all(static_cast<size_t>(total_));
+  for (const ZeroBucket& b : partition_.buckets()) {
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(all.get() + b.offset + b.mine_offset, master_.get() + b.state_offset,
+                                     size_t(b.mine) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    comm(b).all_gather_v(std::span<float>(all.get() + b.offset, size_t(b.length)), b.chunks);
+  }
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return all.download();
+}
+
+}  // namespace moeut

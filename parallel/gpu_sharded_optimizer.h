@@ -1,0 +1,53 @@
+// ZeRO stage-1 AdamW on GPU ranks: the twin of ShardedAdamW (sharded_optimizer.h) over the same
+// ZeroPartition, with device communicators (nccl_communicator.h). Each rank keeps the fp32
+// master values and AdamW moments of its chunks only; the model keeps the bf16 working copy of
+// every parameter and the fp32 gradients. A step reduces each bucket's gradient chunks to their
+// owners (in place), takes the global norm over the owned chunks (every element once), updates
+// the owned master chunks and their working copy, and all-gathers the working copy in bf16.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config.h"
+#include "kernels/device_buffer.h"
+#include "parallel/zero_partition.h"
+
+namespace moeut {
+
+class GpuShardedAdamW {
+ public:
+  // initial: every parameter of `layout` (host, fp32); this rank keeps its chunks as the master
+  // copy. groups: device communicators, ordered on `stream`.
+  GpuShardedAdamW(const ParamLayout& layout, const ProcessGroups& groups, const std::vector<float>& initial,
+                  cudaStream_t stream, int64_t bucket_elements = int64_t(1) << 26);
+  // grads: this rank's gradient (summed over its micro-batches), undefined afterwards. Leaves
+  // the updated working copy on every rank; returns the global norm before clipping (one
+  // device-to-host read).
+  double step(__nv_bfloat16* working, float* grads, double lr, const TrainConfig& t);
+  int64_t state_bytes() const { return 3 * partition_.owned_elements() * int64_t(sizeof(float)); }
+  const ZeroPartition& partition() const { return partition_; }
+  OptimizerShard shard() const;
+  // Installs a shard for this partition and rebuilds every rank's working copy (a collective).
+  void load(const OptimizerShard& shard, __nv_bfloat16* working);
+  // Every fp32 master value, gathered from the owners, in layout order (a collective).
+  std::vector<float> parameters();
+
+ private:
+  Communicator& comm(const ZeroBucket& b) const {
+    return b.group == ZeroGroup::kWorld ? world_ : expert_data_parallel_;
+  }
+  void gather_working(__nv_bfloat16* working);
+
+  ZeroPartition partition_;
+  Communicator &world_, &expert_data_parallel_;
+  cudaStream_t stream_;
+  int64_t total_;
+  cuda::DeviceBuffer<float> master_, m_, v_;
+  cuda::DeviceBuffer<double> sq_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace moeut

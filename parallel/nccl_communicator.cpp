@@ -1,0 +1,136 @@
+#include "parallel/nccl_communicator.h"
+
+#include "kernels/cuda_check.h"
+
+namespace moeut {
+
+NcclCommunicator::NcclCommunicator(MpiCommunicator& group, cudaStream_t caller) : host_(group), caller_(caller) {
+  ncclUniqueId id{};
+  if (rank() == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  if (MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, group.comm()) != MPI_SUCCESS)
+    throw CommError("MPI_Bcast of the NCCL unique id failed on rank " + std::to_string(rank()) + " of group '" +
+                    name() + "'");
+  check(ncclCommInitRank(&comm_, size(), id, rank()), "ncclCommInitRank");
+  MOEUT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  MOEUT_CUDA_CHECK(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming));
+  MOEUT_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (comm_) ncclCommDestroy(comm_);
+  if (queued_) cudaEventDestroy(queued_);
+  if (done_) cudaEventDestroy(done_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void NcclCommunicator::check(ncclResult_t rc, const char* op) const {
+  if (rc == ncclSuccess || rc == ncclInProgress) return;
+  std::string detail = ncclGetErrorString(rc);
+  if (comm_) {
+    const char* last = ncclGetLastError(comm_);
+    if (last && *last) detail += std::string(": ") + last;
+  }
+  throw CommError(std::string(op) + " failed on rank " + std::to_string(rank()) + " of group '" + name() +
+                  "' (size " + std::to_string(size()) + "): " + detail);
+}
+
+template <typename Enqueue>
+void NcclCommunicator::run(const char* op, Enqueue&& enqueue) {
+  MOEUT_CUDA_CHECK(cudaEventRecord(queued_, caller_));
+  MOEUT_CUDA_CHECK(cudaStreamWaitEvent(stream_, queued_, 0));
+  check(ncclGroupStart(), op);
+  enqueue();
+  check(ncclGroupEnd(), op);
+  MOEUT_CUDA_CHECK(cudaEventRecord(done_, stream_));
+  MOEUT_CUDA_CHECK(cudaStreamWaitEvent(caller_, done_, 0));
+}
+
+void NcclCommunicator::all_reduce_sum(std::span<double> data) {
+  run("ncclAllReduce(double)", [&] {
+    check(ncclAllReduce(data.data(), data.data(), data.size(), ncclDouble, ncclSum, comm_, stream_), "ncclAllReduce");
+  });
+}
+
+void NcclCommunicator::all_reduce_sum(std::span<float> data) {
+  run("ncclAllReduce(float)", [&] {
+    check(ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat, ncclSum, comm_, stream_), "ncclAllReduce");
+  });
+}
+
+void NcclCommunicator::all_to_all_v(const void* send, std::span<const int64_t> sc, void* recv,
+                                    std::span<const int64_t> rc, ncclDataType_t type, size_t bytes, const char* op) {
+  run(op, [&] {
+    size_t soff = 0, roff = 0;
+    for (int r = 0; r < size(); ++r) {
+      if (sc[r] > 0) check(ncclSend(static_cast<const char*>(send) + soff * bytes, size_t(sc[r]), type, r, comm_, stream_), op);
+      if (rc[r] > 0) check(ncclRecv(static_cast<char*>(recv) + roff * bytes, size_t(rc[r]), type, r, comm_, stream_), op);
+      soff += size_t(sc[r]);
+      roff += size_t(rc[r]);
+    }
+  });
+}
+
+void NcclCommunicator::all_to_all_v(const float* send, std::span<const int64_t> sc, float* recv,
+                                    std::span<const int64_t> rc) {
+  all_to_all_v(send, sc, recv, rc, ncclFloat, sizeof(float), "ncclSend/ncclRecv(float)");
+}
+
+void NcclCommunicator::all_to_all_v(const int32_t* send, std::span<const int64_t> sc, int32_t* recv,
+                                    std::span<const int64_t> rc) {
+  all_to_all_v(send, sc, recv, rc, ncclInt32, sizeof(int32_t), "ncclSend/ncclRecv(int32)");
+}
+
+// Chunks differ in size by one element at most, so ncclReduceScatter (equal chunks) does not
+// apply: one reduce per owner, grouped into one launch. `mine` may alias this rank's chunk.
+void NcclCommunicator::reduce_scatter_sum(std::span<const float> data, std::span<float> mine,
+                                          std::span<const int64_t> counts) {
+  run("ncclReduce (reduce-scatter)", [&] {
+    size_t off = 0;
+    for (int r = 0; r < size(); ++r) {
+      void* out = r == rank() ? static_cast<void*>(mine.data()) : const_cast<float*>(data.data() + off);
+      check(ncclReduce(data.data() + off, out, size_t(counts[r]), ncclFloat, ncclSum, r, comm_, stream_), "ncclReduce");
+      off += size_t(counts[r]);
+    }
+  });
+}
+
+// One in-place broadcast per chunk owner, grouped.
+void NcclCommunicator::all_gather_v(void* data, std::span<const int64_t> counts, ncclDataType_t type, size_t bytes,
+                                    const char* op) {
+  run(op, [&] {
+    size_t off = 0;
+    for (int r = 0; r < size(); ++r) {
+      char* chunk = static_cast<char*>(data) + off * bytes;
+      check(ncclBroadcast(chunk, chunk, size_t(counts[r]), type, r, comm_, stream_), op);
+      off += size_t(counts[r]);
+    }
+  });
+}
+
+void NcclCommunicator::all_gather_v(std::span<float> data, std::span<const int64_t> counts) {
+  all_gather_v(data.data(), counts, ncclFloat, sizeof(float), "ncclBroadcast (all-gather, float)");
+}
+
+void NcclCommunicator::all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) {
+  all_gather_v(data.data(), counts, ncclInt32, sizeof(int32_t), "ncclBroadcast (all-gather, int32)");
+}
+
+void NcclCommunicator::all_gather_v(std::span<uint16_t> data, std::span<const int64_t> counts) {
+  all_gather_v(data.data(), counts, ncclBfloat16, sizeof(uint16_t), "ncclBroadcast (all-gather, bf16)");
+}
+
+ProcessGroups nccl_process_groups(const ProcessGroups& host, cudaStream_t caller) {
+  auto device = [&](Communicator& c) -> std::unique_ptr<Communicator> {
+    if (c.size() == 1) return std::make_unique<SelfCommunicator>(c.name());
+    auto* mpi = dynamic_cast<MpiCommunicator*>(&c);
+    if (!mpi) throw CommError("group '" + c.name() + "' has " + std::to_string(c.size()) + " ranks but is not an MPI group");
+    return std::make_unique<NcclCommunicator>(*mpi, caller);
+  };
+  ProcessGroups g;
+  g.world = device(*host.world);
+  g.expert_parallel = device(*host.expert_parallel);
+  g.expert_data_parallel = device(*host.expert_data_parallel);
+  return g;
+}
+
+}  // namespace moeut
