@@ -40,12 +40,26 @@ class GpuBackend final : public TrainingBackend {
  public:
   GpuBackend(const Config& c, const ProcessGroups& host_groups)
       : micro_(c.train.micro_batch_size),
-        ep_(host_groups.ep()),
-        model_((select_local_gpu(host_groups), c.model), micro_),
-        groups_(nccl_process_groups(host_groups, model_.stream())),
-        optimizer_(model_.layout(), groups_, initial_parameters(c), model_.stream()) {
-    if (ep_ > 1) throw ConfigError("invalid configuration: ep: expert parallelism on GPU ranks is not built yet; use --ep 1");
-    model_.set_parameters(initial_parameters(c));
+        stream_(create_stream(host_groups)),
+        groups_(nccl_process_groups(host_groups, stream_)),
+        model_(c.model, micro_, groups_.expert_parallel.get(), stream_) {
+    // The spec's initialisation of every parameter, drawn on the host as the CPU path draws it
+    // (every rank alike); this rank keeps its expert shard.
+    Model<float> init(c.model);
+    init.init(c.train.seed);
+    std::vector<float> mine(size_t(model_.layout().total()));
+    const ParamLayout full(c.model);
+    const ExpertShard& shard = model_.layout().shard();
+    for (const TensorSpec& t : model_.layout().tensors()) {
+      const TensorSpec& g = full.at(t.name);
+      const int64_t skip = t.expert ? shard.begin * (g.numel / c.model.ff_n_experts) : 0;
+      std::copy_n(init.params.data() + g.offset + skip, t.numel, mine.data() + t.offset);
+    }
+    model_.set_parameters(mine);
+    optimizer_ = std::make_unique<GpuShardedAdamW>(model_.layout(), groups_, mine, stream_);
+  }
+  ~GpuBackend() override {
+    if (stream_) cudaStreamDestroy(stream_);
   }
   const char* device() const override { return "cuda"; }
   const ParamLayout& layout() const override { return model_.layout(); }
@@ -54,30 +68,45 @@ class GpuBackend final : public TrainingBackend {
     if (B != micro_) throw std::invalid_argument("GPU backend: training batches are micro_batch_size sequences");
     return model_.forward_backward(tokens, weight);
   }
-  // A rank whose share of the validation windows has run out gets B = 0.
+  // A rank whose share of the validation windows has run out gets B = 0. With expert
+  // parallelism it still runs a forward pass (on one sequence of whatever the buffer holds) so
+  // that its group's token exchanges match, and counts nothing.
   double forward_ce_sum(const int32_t* tokens, int64_t B) override {
-    return B == 0 ? 0.0 : model_.forward_ce_sum(tokens, B);
+    if (B > 0) return model_.forward_ce_sum(tokens, B);
+    if (groups_.ep() > 1) {
+      const std::vector<int32_t> filler(size_t(model_.config().context + 1), 0);
+      model_.forward_ce_sum(filler.data(), 1);
+    }
+    return 0.0;
   }
-  double step(double lr, const TrainConfig& t) override { return optimizer_.step(model_.working(), model_.grads(), lr, t); }
-  std::vector<float> parameters() override { return optimizer_.parameters(); }
-  int64_t optimizer_state_bytes() const override { return optimizer_.state_bytes(); }
-  const ZeroPartition& partition() const override { return optimizer_.partition(); }
-  OptimizerShard optimizer_shard() override { return optimizer_.shard(); }
-  void load_optimizer_shard(const OptimizerShard& s) override { optimizer_.load(s, model_.working()); }
+  double step(double lr, const TrainConfig& t) override { return optimizer_->step(model_.working(), model_.grads(), lr, t); }
+  std::vector<float> parameters() override { return optimizer_->parameters(); }
+  int64_t optimizer_state_bytes() const override { return optimizer_->state_bytes(); }
+  const ZeroPartition& partition() const override { return optimizer_->partition(); }
+  OptimizerShard optimizer_shard() override { return optimizer_->shard(); }
+  void load_optimizer_shard(const OptimizerShard& s) override { optimizer_->load(s, model_.working()); }
+  int64_t dispatch_bytes() const override { return model_.dispatch_bytes(); }
+  double take_communication_seconds() override {
+    double s = 0;
+    for (Communicator* c : {groups_.world.get(), groups_.expert_parallel.get(), groups_.expert_data_parallel.get()})
+      if (auto* nccl = dynamic_cast<NcclCommunicator*>(c)) s += nccl->take_seconds();
+    return s;
+  }
 
  private:
-  // The spec's initialisation, drawn on the host as the CPU path draws it (every rank alike).
-  static std::vector<float> initial_parameters(const Config& c) {
-    Model<float> init(c.model);
-    init.init(c.train.seed);
-    return init.params;
+  // The device is chosen before anything touches it.
+  static cudaStream_t create_stream(const ProcessGroups& host_groups) {
+    select_local_gpu(host_groups);
+    cudaStream_t s = nullptr;
+    MOEUT_CUDA_CHECK(cudaStreamCreate(&s));
+    return s;
   }
 
   int64_t micro_;
-  int ep_;
+  cudaStream_t stream_;
+  ProcessGroups groups_;  // device communicators, ordered on stream_
   GpuModel model_;
-  ProcessGroups groups_;  // device communicators, ordered on the model's stream
-  GpuShardedAdamW optimizer_;
+  std::unique_ptr<GpuShardedAdamW> optimizer_;
 };
 
 }  // namespace

@@ -26,34 +26,55 @@ struct GpuModel::Layer {
   DeviceBuffer<float> mean1, rstd1, zv, zo, wv, wo, x_mid, mean2, rstd2, z, w_ff, dz_reg_v, dz_reg_o, dz_reg_ff;
   DeviceBuffer<int32_t> iv, io, i_ff;
   cuda::CvmmPlanBuffers plan_v, plan_o, plan_ff;  // kept from the forward to the backward pass
+  // Expert parallelism: where the tokens went, and the rows this rank received.
+  GpuAllToAllDispatcher::Route route;
+  DeviceBuffer<bf16> recv_x;
+  DeviceBuffer<int32_t> recv_index;
+  DeviceBuffer<float> recv_weight;
+  int64_t received = 0;
 };
 
-GpuModel::GpuModel(const ModelConfig& config, int64_t batch)
-    : cfg_((validate(config), config)), layout_(cfg_), batch_(batch), B_(batch) {
-  MOEUT_CUDA_CHECK(cudaStreamCreate(&stream_));
+GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* expert_parallel, cudaStream_t stream)
+    : cfg_((validate(config), config)),
+      layout_(cfg_, expert_shard(cfg_.ff_n_experts, expert_parallel ? expert_parallel->size() : 1,
+                                 expert_parallel ? expert_parallel->rank() : 0)),
+      batch_(batch),
+      B_(batch),
+      stream_(stream),
+      own_stream_(stream == nullptr) {
+  if (own_stream_) MOEUT_CUDA_CHECK(cudaStreamCreate(&stream_));
   check_cublas(cublasCreate(&cublas_), "cublasCreate");
   check_cublas(cublasSetStream(cublas_, stream_), "cublasSetStream");
   const int64_t T = cfg_.context, N = batch * T, d = cfg_.d_model, H = cfg_.n_heads;
   const int64_t hd = H * cfg_.d_head, he = H * cfg_.att_n_experts, hk = H * cfg_.att_k;
-  const int64_t Ef = cfg_.ff_n_experts, kf = cfg_.ff_k, total = layout_.total();
+  const int64_t Ef = layout_.shard().count, kf = cfg_.ff_k, total = layout_.total();
+  if (expert_parallel && expert_parallel->size() > 1)
+    dispatcher_ = std::make_unique<GpuAllToAllDispatcher>(*expert_parallel, cfg_.ff_n_experts, N, d, kf, stream_);
+  const int64_t M = dispatcher_ ? dispatcher_->max_received() : N;  // token rows the FFN experts here may see
   grads_ = DeviceBuffer<float>(size_t(total));
   working_ = DeviceBuffer<bf16>(size_t(total));
   inputs_ = DeviceBuffer<int32_t>(size_t(N));
   targets_ = DeviceBuffer<int32_t>(size_t(N));
   for (int64_t l = 0; l <= cfg_.n_layers; ++l) xs_.emplace_back(size_t(N * d));
   layers_.resize(size_t(cfg_.n_layers));
-  planner_ = std::make_unique<cuda::CvmmPlanner>(N * std::max(kf, hk), std::max(Ef, he));
+  planner_ = std::make_unique<cuda::CvmmPlanner>(std::max(M * kf, N * hk), std::max(Ef, he));
   for (Layer& L : layers_) {
     for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) *plan = planner_->make_buffers();
     for (auto* b : {&L.xb, &L.xn1, &L.x_midb, &L.xn2}) *b = DeviceBuffer<bf16>(size_t(N * d));
     for (auto* b : {&L.q, &L.k, &L.v, &L.heads}) *b = DeviceBuffer<bf16>(size_t(N * hd));
-    L.hidden = DeviceBuffer<bf16>(size_t(N * kf * cfg_.ff_expert_size));
+    L.hidden = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
+    if (dispatcher_) {
+      L.route = dispatcher_->make_route();
+      L.recv_x = DeviceBuffer<bf16>(size_t(M * d));
+      L.recv_index = DeviceBuffer<int32_t>(size_t(M * kf));
+      L.recv_weight = DeviceBuffer<float>(size_t(M * kf));
+    }
     for (auto* b : {&L.mean1, &L.rstd1, &L.mean2, &L.rstd2}) *b = DeviceBuffer<float>(size_t(N));
     for (auto* b : {&L.zv, &L.zo, &L.dz_reg_v, &L.dz_reg_o}) *b = DeviceBuffer<float>(size_t(N * he));
     for (auto* b : {&L.wv, &L.wo}) *b = DeviceBuffer<float>(size_t(N * hk));
     for (auto* b : {&L.iv, &L.io}) *b = DeviceBuffer<int32_t>(size_t(N * hk));
     L.x_mid = DeviceBuffer<float>(size_t(N * d));
-    for (auto* b : {&L.z, &L.dz_reg_ff}) *b = DeviceBuffer<float>(size_t(N * Ef));
+    for (auto* b : {&L.z, &L.dz_reg_ff}) *b = DeviceBuffer<float>(size_t(N * cfg_.ff_n_experts));
     L.w_ff = DeviceBuffer<float>(size_t(N * kf));
     L.i_ff = DeviceBuffer<int32_t>(size_t(N * kf));
   }
@@ -65,21 +86,26 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch)
   reg_loss_ = DeviceBuffer<double>(2);
   for (auto* b : {&dres_, &dxn_, &dxf_}) *b = DeviceBuffer<float>(size_t(N * d));
   dw_ = DeviceBuffer<float>(size_t(N * std::max(kf, hk)));
-  dz_ = DeviceBuffer<float>(size_t(N * std::max(Ef, he)));
-  dzb_ = DeviceBuffer<bf16>(size_t(N * std::max(Ef, he)));
+  dz_ = DeviceBuffer<float>(size_t(N * std::max(cfg_.ff_n_experts, he)));
+  dzb_ = DeviceBuffer<bf16>(size_t(N * std::max(cfg_.ff_n_experts, he)));
   dheads_f32_ = DeviceBuffer<float>(size_t(N * hd));
   dresb_ = DeviceBuffer<bf16>(size_t(N * d));
-  dhidden_ = DeviceBuffer<bf16>(size_t(N * kf * cfg_.ff_expert_size));
+  dhidden_ = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
+  if (dispatcher_) {
+    recv_rows_ = DeviceBuffer<float>(size_t(M * d));
+    recv_dw_ = DeviceBuffer<float>(size_t(M * kf));
+    recv_dy_ = DeviceBuffer<bf16>(size_t(M * d));
+  }
   for (auto* b : {&dheads_, &dq_, &dk_, &dv_}) *b = DeviceBuffer<bf16>(size_t(N * hd));
   attention_ = std::make_unique<cuda::CausalAttention>(cublas_, batch, T, H, cfg_.d_head);
-  reg_ffn_ = std::make_unique<cuda::EntropyReg>(batch, 1, Ef);
+  reg_ffn_ = std::make_unique<cuda::EntropyReg>(batch, 1, cfg_.ff_n_experts);
   reg_att_ = std::make_unique<cuda::EntropyReg>(batch, H, cfg_.att_n_experts);
   head_ = std::make_unique<cuda::LmHeadCE>(cublas_, cfg_.n_tokens, d);
 }
 
 GpuModel::~GpuModel() {
   if (cublas_) cublasDestroy(cublas_);
-  if (stream_) cudaStreamDestroy(stream_);
+  if (own_stream_) cudaStreamDestroy(stream_);
 }
 
 bf16* GpuModel::wparam(const std::string& name) const { return working_.get() + layout_.at(name).offset; }
@@ -147,19 +173,35 @@ void GpuModel::attention_forward(int64_t l) {
 void GpuModel::ffn_forward(int64_t l) {
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
-  const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
   cuda::layernorm_forward(L.xn2.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
                           wparam(p + "ln2.bias"), N, d, stream_);
   cuda::to_bf16(L.x_midb.get(), L.x_mid.get(), N * d, stream_);
   dense(L.xn2.get(), p + "ffn.expert_sel", N, Ef, 1.f, L.z.get(), CUDA_R_32F);
   cuda::topk_sigmoid_forward(L.i_ff.get(), L.w_ff.get(), L.z.get(), N, 1, Ef, kf, stream_);
-  planner_->build(L.plan_ff, L.i_ff.get(), N, 1, Ef, kf, cuda::CvmmRoute::kGatherToSelections, stream_);
-  cuda::cvmm_rows(L.plan_ff.view(), {L.x_midb.get(), wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr,
-                                      nullptr, d, es, false, false}, stream_);
-  cuda::relu_forward(L.hidden.get(), N * kf * es, stream_);
   float* y = xs_[l + 1].get();
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(y, L.x_mid.get(), size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-  cuda::cvmm_rows(L.plan_ff.view(true), {L.hidden.get(), wparam(p + "ffn.values"), L.w_ff.get(), nullptr, y, nullptr,
+  if (!dispatcher_) {
+    experts_forward(l, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, y);
+    return;
+  }
+  L.received = dispatcher_->dispatch(L.route, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, L.recv_x.get(),
+                                     L.recv_index.get(), L.recv_weight.get());
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(L.received * d) * sizeof(float), stream_));
+  experts_forward(l, L.recv_x.get(), L.recv_index.get(), L.recv_weight.get(), L.received, recv_rows_.get());
+  dispatcher_->combine(L.route, recv_rows_.get(), y);
+}
+
+void GpuModel::experts_forward(int64_t l, const bf16* X, const int32_t* index, const float* weight, int64_t rows,
+                               float* out) {
+  Layer& L = layers_[l];
+  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  planner_->build(L.plan_ff, index, rows, 1, E, kf, cuda::CvmmRoute::kGatherToSelections, stream_);
+  cuda::cvmm_rows(L.plan_ff.view(), {X, wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr, nullptr, d, es,
+                                      false, false}, stream_);
+  cuda::relu_forward(L.hidden.get(), rows * kf * es, stream_);
+  cuda::cvmm_rows(L.plan_ff.view(true), {L.hidden.get(), wparam(p + "ffn.values"), weight, nullptr, out, nullptr,
                                           nullptr, es, d, false, true}, stream_);
 }
 
@@ -261,23 +303,39 @@ void GpuModel::router_backward(const float* dz_reg, const int32_t* index, const 
 void GpuModel::ffn_backward(int64_t l) {
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
-  const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
   // dres holds d/d(layer output). The FFN input is the raw x_mid: its expert gradient adds
   // straight onto dres, and so does LN2's.
   cuda::to_bf16(dresb_.get(), dres_.get(), N * d, stream_);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * kf) * sizeof(float), stream_));
-  cuda::cvmm_rows(L.plan_ff.view(), {dresb_.get(), wparam(p + "ffn.values"), L.w_ff.get(), dhidden_.get(), nullptr,
-                                      dw_.get(), L.hidden.get(), d, es, true, false}, stream_);
-  cuda::cvmm_weight_grad(L.plan_ff.view(true), {L.hidden.get(), dresb_.get(), L.w_ff.get(), true, gparam(p + "ffn.values"),
-                                                 es, d, Ef}, stream_);
-  cuda::relu_backward(dhidden_.get(), dhidden_.get(), L.hidden.get(), N * kf * es, stream_);
-  cuda::cvmm_rows(L.plan_ff.view(true), {dhidden_.get(), wparam(p + "ffn.keys"), nullptr, nullptr, dres_.get(), nullptr,
-                                          nullptr, es, d, true, true}, stream_);
-  cuda::cvmm_weight_grad(L.plan_ff.view(), {L.x_midb.get(), dhidden_.get(), nullptr, true, gparam(p + "ffn.keys"), d, es,
-                                             Ef}, stream_);
+  if (!dispatcher_) {
+    experts_backward(l, dresb_.get(), L.x_midb.get(), L.w_ff.get(), N, dres_.get(), dw_.get());
+  } else {
+    dispatcher_->dispatch_grad(L.route, dresb_.get(), recv_dy_.get());
+    MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(L.received * d) * sizeof(float), stream_));
+    MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_dw_.get(), 0, size_t(L.received * kf) * sizeof(float), stream_));
+    experts_backward(l, recv_dy_.get(), L.recv_x.get(), L.recv_weight.get(), L.received, recv_rows_.get(),
+                     recv_dw_.get());
+    dispatcher_->combine_grad(L.route, recv_rows_.get(), recv_dw_.get(), dres_.get(), dw_.get());
+  }
   router_backward(L.dz_reg_ff.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, L.xn2.get(), p + "ffn.expert_sel", false);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
                            wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_);
+}
+
+void GpuModel::experts_backward(int64_t l, const bf16* dY, const bf16* X, const float* weight, int64_t rows, float* dX,
+                                float* dw) {
+  Layer& L = layers_[l];
+  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  cuda::cvmm_rows(L.plan_ff.view(), {dY, wparam(p + "ffn.values"), weight, dhidden_.get(), nullptr, dw, L.hidden.get(),
+                                      d, es, true, false}, stream_);
+  cuda::cvmm_weight_grad(L.plan_ff.view(true), {L.hidden.get(), dY, weight, true, gparam(p + "ffn.values"), es, d, E},
+                         stream_);
+  cuda::relu_backward(dhidden_.get(), dhidden_.get(), L.hidden.get(), rows * kf * es, stream_);
+  cuda::cvmm_rows(L.plan_ff.view(true), {dhidden_.get(), wparam(p + "ffn.keys"), nullptr, nullptr, dX, nullptr, nullptr,
+                                          es, d, true, true}, stream_);
+  cuda::cvmm_weight_grad(L.plan_ff.view(), {X, dhidden_.get(), nullptr, true, gparam(p + "ffn.keys"), d, es, E}, stream_);
 }
 
 void GpuModel::attention_backward(int64_t l) {

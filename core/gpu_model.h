@@ -16,12 +16,18 @@
 #include "kernels/device_buffer.h"
 #include "kernels/entropy_reg_cuda.h"
 #include "kernels/lm_head_ce_cuda.h"
+#include "parallel/gpu_all_to_all_dispatcher.h"
 
 namespace moeut {
 
 class GpuModel {
  public:
-  GpuModel(const ModelConfig& config, int64_t batch);  // buffers planned for `batch` sequences
+  // Buffers planned for `batch` sequences. With an expert-parallel group of several ranks, this
+  // rank holds its expert_shard() of the FFN experts and exchanges tokens with the group's
+  // other ranks (every rank of the group must make the same calls).
+  // Work runs on `stream` (one of its own when null).
+  GpuModel(const ModelConfig& config, int64_t batch, Communicator* expert_parallel = nullptr,
+           cudaStream_t stream = nullptr);
   ~GpuModel();
   GpuModel(const GpuModel&) = delete;
   GpuModel& operator=(const GpuModel&) = delete;
@@ -35,6 +41,7 @@ class GpuModel {
   __nv_bfloat16* working() { return working_.get(); }
   float* grads() { return grads_.get(); }
   cudaStream_t stream() const { return stream_; }
+  int64_t dispatch_bytes() const { return dispatcher_ ? dispatcher_->bytes_sent() : 0; }  // sent to other ranks
 
   // tokens (host): [batch, context + 1]. Mean losses of the batch.
   LossParts forward(const int32_t* tokens) { return run(tokens, batch_, 1.0, Pass::kLoss); }
@@ -56,6 +63,12 @@ class GpuModel {
   void attention_forward(int64_t l);
   void ffn_forward(int64_t l);
   void ffn_backward(int64_t l);
+  // The FFN experts held here over `rows` token rows X (index: local expert ids, -1 where the
+  // expert is elsewhere); out (fp32) += the weighted expert outputs.
+  void experts_forward(int64_t l, const bf16* X, const int32_t* index, const float* weight, int64_t rows, float* out);
+  // Their backward: dX (fp32) += input gradients, dw (zeroed by the caller) += routing-weight
+  // gradients, and the expert-weight gradients.
+  void experts_backward(int64_t l, const bf16* dY, const bf16* X, const float* weight, int64_t rows, float* dX, float* dw);
   void attention_backward(int64_t l);
   // d(weight) += alpha · dyᵀ·x; dx = alpha · dy·W (+ dx when accumulate): the backward of dense.
   void dense_backward(const bf16* dy, const bf16* x, const std::string& weight, int64_t rows, int64_t out, float alpha,
@@ -69,8 +82,10 @@ class GpuModel {
 
   ModelConfig cfg_;
   ParamLayout layout_;
+  std::unique_ptr<GpuAllToAllDispatcher> dispatcher_;  // expert parallelism; none when every expert is here
   int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
   cudaStream_t stream_ = nullptr;
+  bool own_stream_ = false;
   cublasHandle_t cublas_ = nullptr;
   cuda::DeviceBuffer<float> grads_;
   cuda::DeviceBuffer<bf16> working_;
@@ -82,6 +97,9 @@ class GpuModel {
   // Backward scratch, shared by the layers.
   cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dz_, dheads_f32_;
   cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dq_, dk_, dv_;
+  // Expert parallelism: rows received from the group (scratch; the forward's are per layer).
+  cuda::DeviceBuffer<float> recv_rows_, recv_dw_;
+  cuda::DeviceBuffer<bf16> recv_dy_;
   cuda::DeviceBuffer<double> reg_loss_;
   std::unique_ptr<cuda::CausalAttention> attention_;
   std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_;

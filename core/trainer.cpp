@@ -75,7 +75,7 @@ const Config& checked(const Config& c, const ProcessGroups& g) {
   return c;
 }
 
-bool use_gpu(const Config& c, const ProcessGroups& g) {
+bool use_gpu(const Config& c) {
   return c.train.device == "cuda" || (c.train.device == "auto" && gpu_backend_available());
 }
 
@@ -88,7 +88,7 @@ Trainer::Trainer(const Config& config, const ProcessGroups& groups)
       train_(open_data(cfg_.train.train_data, "train_data", cfg_.model)),
       val_(open_data(cfg_.train.val_data, "val_data", cfg_.model)) {
   if (cfg_.train.threads > 0) omp_set_num_threads(int(cfg_.train.threads));
-  backend_ = use_gpu(cfg_, groups) ? make_gpu_backend(cfg_, groups) : make_cpu_backend(cfg_, groups);
+  backend_ = use_gpu(cfg_) ? make_gpu_backend(cfg_, groups) : make_cpu_backend(cfg_, groups);
   if (!leader()) return;
   const std::filesystem::path metrics(cfg_.train.metrics);
   if (metrics.has_parent_path()) std::filesystem::create_directories(metrics.parent_path());
@@ -117,6 +117,7 @@ double Trainer::run() {
   const int64_t first_sequence = groups_.world->rank() * local_batch_;
   for (int64_t step = start_step_; step < t.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
+    const int64_t dispatched = backend_->dispatch_bytes();
     backend_->zero_gradients();
     double parts[3] = {0, 0, 0};  // ce, reg_ffn, reg_att, weighted by share of the global batch
     for (int64_t first = 0; first < local_batch_; first += micro) {
@@ -134,9 +135,10 @@ double Trainer::run() {
                                std::to_string(loss.total()) + "); stopping before the weights are updated");
     const double lr = learning_rate(step, t);
     const double norm = backend_->step(lr, t);
+    const double comm = backend_->take_communication_seconds();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     losses_.push_back(loss.total());
-    log_step(step + 1, loss, lr, norm, double(t.batch_size * T) / seconds);
+    log_step(step + 1, loss, lr, norm, seconds, {comm, backend_->dispatch_bytes() - dispatched});
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps)
       log_validation(step + 1, validation_loss(t.eval_batches * micro), false);
     if (after_step_) after_step_(step + 1);
@@ -169,17 +171,25 @@ std::vector<float> Trainer::full_parameters() {
   return out;
 }
 
-void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double tokens_per_s) {
+void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds,
+                       const Traffic& traffic) {
   if (!leader()) return;
-  std::printf("step %5lld/%lld | loss %.4f | ce %.4f | reg %.5f | lr %.3e | grad_norm %.4f | %.0f tok/s\n",
+  const double tokens_per_s = double(cfg_.train.batch_size * cfg_.model.context) / seconds;
+  std::printf("step %5lld/%lld | loss %.4f | ce %.4f | reg %.5f | lr %.3e | grad_norm %.4f | %.0f tok/s",
               (long long)step, (long long)cfg_.train.steps, loss.total(), loss.ce, loss.reg_ffn + loss.reg_att, lr,
               grad_norm, tokens_per_s);
+  if (traffic.comm_seconds > 0)
+    std::printf(" | comm %.0f ms (%.0f%%) | dispatch %.1f MB", traffic.comm_seconds * 1e3,
+                100 * traffic.comm_seconds / seconds, double(traffic.dispatch_bytes) / 1e6);
+  std::printf("\n");
   std::fflush(stdout);
-  char line[512];
+  char line[640];
   std::snprintf(line, sizeof line,
                 "{\"step\": %lld, \"loss\": %.8g, \"ce\": %.8g, \"reg_ffn\": %.8g, \"reg_att\": %.8g, "
-                "\"lr\": %.8g, \"grad_norm\": %.8g, \"tokens_per_s\": %.1f}\n",
-                (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr, grad_norm, tokens_per_s);
+                "\"lr\": %.8g, \"grad_norm\": %.8g, \"tokens_per_s\": %.1f, \"comm_s\": %.6g, "
+                "\"dispatch_bytes\": %lld}\n",
+                (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr, grad_norm, tokens_per_s,
+                traffic.comm_seconds, (long long)traffic.dispatch_bytes);
   metrics_ << line << std::flush;
 }
 

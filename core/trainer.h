@@ -59,7 +59,13 @@ class Trainer {
   void after_step(std::function<void(int64_t steps_done)> hook) { after_step_ = std::move(hook); }
 
  private:
-  void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double tokens_per_s);
+  // What a step sent between ranks, seen from this one: device time in collectives (GPU ranks)
+  // and expert-parallel token traffic.
+  struct Traffic {
+    double comm_seconds = 0;
+    int64_t dispatch_bytes = 0;
+  };
+  void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds, const Traffic& traffic);
   void log_validation(int64_t step, double loss, bool final);
   double validation_loss(int64_t max_windows);
   bool leader() const { return groups_.world->rank() == 0; }

@@ -26,6 +26,8 @@ class TrainingBackend {
   virtual double step(double lr, const TrainConfig& t) = 0;
   virtual std::vector<float> parameters() = 0;  // in layout() order
   virtual int64_t optimizer_state_bytes() const = 0;
+  virtual int64_t dispatch_bytes() const { return 0; }  // expert-parallel token traffic sent so far
+  virtual double take_communication_seconds() { return 0; }  // device time in collectives since the last call
   // Checkpoints: how the optimizer splits layout()'s buffer over the ranks, this rank's part
   // (fp32 master and moments, in partition order), and installing such a part, after which
   // every rank holds the same parameters (a collective).

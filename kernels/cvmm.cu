@@ -312,15 +312,17 @@ __global__ void route_keys(int32_t* key, int32_t* order, int32_t* in_row, int32_
   if (i >= n_sel) return;
   const int64_t tg = i / k, t = tg / groups;  // tg = t·groups + g
   const int g = int(tg % groups);
-  key[i] = g * E + index[i];
+  // A negative index is a selection this rank does not compute (its expert lives on another
+  // rank): it sorts past the last expert and no tile covers it.
+  key[i] = index[i] < 0 ? groups * E : g * E + index[i];
   order[i] = int32_t(i);
   in_row[i] = int32_t(route == CvmmRoute::kGroupRowsToTokens ? tg : t);
   out_row[i] = int32_t(route == CvmmRoute::kGatherToGroupRows ? tg : route == CvmmRoute::kGatherToSelections ? i : t);
 }
 
-__global__ void count_experts(int32_t* counts, const int32_t* key, int64_t n_sel) {
+__global__ void count_experts(int32_t* counts, const int32_t* key, int64_t n_sel, int experts) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n_sel) atomicAdd(counts + key[i], 1);
+  if (i < n_sel && key[i] < experts) atomicAdd(counts + key[i], 1);
 }
 
 // One thread: offsets from counts, then the row tiles of every expert in order. Experts are at
@@ -386,12 +388,12 @@ void CvmmPlanner::build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, 
                                            int(groups), int(E), int(k), route);
     MOEUT_CUDA_CHECK(cudaGetLastError());
     int end_bit = 1;
-    while ((int64_t(1) << end_bit) < experts) ++end_bit;
+    while ((int64_t(1) << end_bit) <= experts) ++end_bit;  // keys run to `experts` (not computed here)
     size_t bytes = sort_scratch_.size();
     // Stable: selections of one expert keep their order, so results repeat run to run.
     MOEUT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_scratch_.get(), bytes, keys_.get(), sorted_keys_.get(),
                                                      order_.get(), plan.by_expert.get(), int(sels), 0, end_bit, stream));
-    count_experts<<<blocks, 256, 0, stream>>>(counts_.get(), keys_.get(), sels);
+    count_experts<<<blocks, 256, 0, stream>>>(counts_.get(), keys_.get(), sels, int(experts));
     MOEUT_CUDA_CHECK(cudaGetLastError());
   }
   offsets_and_tiles<<<1, 1, 0, stream>>>(plan.expert_begin.get(), plan.tile_expert.get(), plan.tile_first.get(),

@@ -88,7 +88,8 @@ class CvmmPlanner {
   CvmmPlanner(int64_t max_selections, int64_t max_experts);
   // Buffers sized for one plan of up to max_selections selections over max_experts experts.
   CvmmPlanBuffers make_buffers() const;
-  // index [n, groups, k]: expert within its group. Writes the plan into `plan` (from make_buffers).
+  // index [n, groups, k]: expert within its group, or -1 for a selection left out (its expert
+  // is on another rank). Writes the plan into `plan` (from make_buffers).
   void build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, int64_t groups, int64_t E, int64_t k,
              CvmmRoute route, cudaStream_t stream);
 

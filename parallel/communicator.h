@@ -35,6 +35,8 @@ class Communicator {
                             std::span<const int64_t> recv_counts) = 0;
   virtual void all_to_all_v(const int32_t* send, std::span<const int64_t> send_counts, int32_t* recv,
                             std::span<const int64_t> recv_counts) = 0;
+  virtual void all_to_all_v(const uint16_t* send, std::span<const int64_t> send_counts, uint16_t* recv,
+                            std::span<const int64_t> recv_counts) = 0;  // bf16 bit patterns
   // data holds consecutive chunks of counts[i] elements; sums data over the group and leaves the
   // sum of chunk rank() in `mine`.
   virtual void reduce_scatter_sum(std::span<const float> data, std::span<float> mine,
@@ -67,6 +69,10 @@ class SelfCommunicator final : public Communicator {
     std::copy_n(send, sc[0], recv);
   }
   void all_to_all_v(const int32_t* send, std::span<const int64_t> sc, int32_t* recv,
+                    std::span<const int64_t>) override {
+    std::copy_n(send, sc[0], recv);
+  }
+  void all_to_all_v(const uint16_t* send, std::span<const int64_t> sc, uint16_t* recv,
                     std::span<const int64_t>) override {
     std::copy_n(send, sc[0], recv);
   }

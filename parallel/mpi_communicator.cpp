@@ -69,6 +69,11 @@ void MpiCommunicator::all_to_all_v(const int32_t* send, std::span<const int64_t>
   all_to_all_v(send, sc, recv, rc, MPI_INT32_T, "MPI_Alltoallv(int32)");
 }
 
+void MpiCommunicator::all_to_all_v(const uint16_t* send, std::span<const int64_t> sc, uint16_t* recv,
+                                   std::span<const int64_t> rc) {
+  all_to_all_v(send, sc, recv, rc, MPI_UINT16_T, "MPI_Alltoallv(uint16)");
+}
+
 void MpiCommunicator::reduce_scatter_sum(std::span<const float> data, std::span<float> mine,
                                          std::span<const int64_t> counts) {
   const std::vector<int> c = to_int(counts, "MPI_Reduce_scatter");

@@ -23,6 +23,8 @@ class MpiCommunicator final : public Communicator {
                     std::span<const int64_t> recv_counts) override;
   void all_to_all_v(const int32_t* send, std::span<const int64_t> send_counts, int32_t* recv,
                     std::span<const int64_t> recv_counts) override;
+  void all_to_all_v(const uint16_t* send, std::span<const int64_t> send_counts, uint16_t* recv,
+                    std::span<const int64_t> recv_counts) override;
   void reduce_scatter_sum(std::span<const float> data, std::span<float> mine,
                           std::span<const int64_t> counts) override;
   void all_gather_v(std::span<float> data, std::span<const int64_t> counts) override;

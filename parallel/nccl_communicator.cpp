@@ -17,6 +17,11 @@ NcclCommunicator::NcclCommunicator(MpiCommunicator& group, cudaStream_t caller) 
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  for (auto* list : {&timed_, &spare_})
+    for (auto [start, end] : *list) {
+      cudaEventDestroy(start);
+      cudaEventDestroy(end);
+    }
   if (comm_) ncclCommDestroy(comm_);
   if (queued_) cudaEventDestroy(queued_);
   if (done_) cudaEventDestroy(done_);
@@ -38,11 +43,34 @@ template <typename Enqueue>
 void NcclCommunicator::run(const char* op, Enqueue&& enqueue) {
   MOEUT_CUDA_CHECK(cudaEventRecord(queued_, caller_));
   MOEUT_CUDA_CHECK(cudaStreamWaitEvent(stream_, queued_, 0));
+  if (spare_.empty()) {
+    std::pair<cudaEvent_t, cudaEvent_t> pair;
+    MOEUT_CUDA_CHECK(cudaEventCreate(&pair.first));
+    MOEUT_CUDA_CHECK(cudaEventCreate(&pair.second));
+    spare_.push_back(pair);
+  }
+  timed_.push_back(spare_.back());
+  spare_.pop_back();
+  MOEUT_CUDA_CHECK(cudaEventRecord(timed_.back().first, stream_));
   check(ncclGroupStart(), op);
   enqueue();
   check(ncclGroupEnd(), op);
+  MOEUT_CUDA_CHECK(cudaEventRecord(timed_.back().second, stream_));
   MOEUT_CUDA_CHECK(cudaEventRecord(done_, stream_));
   MOEUT_CUDA_CHECK(cudaStreamWaitEvent(caller_, done_, 0));
+}
+
+double NcclCommunicator::take_seconds() {
+  double seconds = 0;
+  for (auto [start, end] : timed_) {
+    MOEUT_CUDA_CHECK(cudaEventSynchronize(end));
+    float ms = 0;
+    MOEUT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
+    seconds += ms / 1e3;
+    spare_.push_back({start, end});
+  }
+  timed_.clear();
+  return seconds;
 }
 
 void NcclCommunicator::all_reduce_sum(std::span<double> data) {
@@ -78,6 +106,11 @@ void NcclCommunicator::all_to_all_v(const float* send, std::span<const int64_t> 
 void NcclCommunicator::all_to_all_v(const int32_t* send, std::span<const int64_t> sc, int32_t* recv,
                                     std::span<const int64_t> rc) {
   all_to_all_v(send, sc, recv, rc, ncclInt32, sizeof(int32_t), "ncclSend/ncclRecv(int32)");
+}
+
+void NcclCommunicator::all_to_all_v(const uint16_t* send, std::span<const int64_t> sc, uint16_t* recv,
+                                    std::span<const int64_t> rc) {
+  all_to_all_v(send, sc, recv, rc, ncclBfloat16, sizeof(uint16_t), "ncclSend/ncclRecv(bf16)");
 }
 
 // Chunks differ in size by one element at most, so ncclReduceScatter (equal chunks) does not

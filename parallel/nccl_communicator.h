@@ -31,11 +31,15 @@ class NcclCommunicator final : public Communicator {
                     std::span<const int64_t> recv_counts) override;
   void all_to_all_v(const int32_t* send, std::span<const int64_t> send_counts, int32_t* recv,
                     std::span<const int64_t> recv_counts) override;
+  void all_to_all_v(const uint16_t* send, std::span<const int64_t> send_counts, uint16_t* recv,
+                    std::span<const int64_t> recv_counts) override;
   void reduce_scatter_sum(std::span<const float> data, std::span<float> mine,
                           std::span<const int64_t> counts) override;
   void all_gather_v(std::span<float> data, std::span<const int64_t> counts) override;
   void all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) override;
   void all_gather_v(std::span<uint16_t> data, std::span<const int64_t> counts) override;
+  // Seconds this group's collectives ran on the device since the last call (waits for them).
+  double take_seconds();
 
  private:
   template <typename Enqueue>
@@ -49,6 +53,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t caller_, stream_ = nullptr;
   cudaEvent_t queued_ = nullptr, done_ = nullptr;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> timed_, spare_;  // (start, end) of each call
 };
 
 // Device communicators for the groups of `host` (MPI groups, which must outlive them): NCCL for
