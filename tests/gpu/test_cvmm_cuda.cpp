@@ -123,5 +123,49 @@ TEST_F(GpuTest, CvmmMatchesTheCpuReference) {
     check(s);
 }
 
+// Expert parallelism hands the planner selections whose expert lives on another rank (index
+// -1): the device-built plan must leave exactly those out, and compute the rest as the reference.
+TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
+  const int64_t n = 700, k = 6, E = 40, d = 128, es = 64, sels = n * k;
+  Rng rng{11};
+  std::vector<int32_t> index(sels);
+  CvmmSelection mine;
+  for (int64_t i = 0; i < sels; ++i) {
+    index[i] = rng.next() % 3 == 0 ? -1 : int32_t(rng.next() % uint64_t(E));
+    if (index[i] < 0) continue;
+    mine.expert.push_back(index[i]);
+    mine.in_row.push_back(int32_t(i / k));
+    mine.out_row.push_back(int32_t(i));
+  }
+  mine.group(E);
+  const auto X = random_bf16_values(n * d, rng, 1.0), W = random_bf16_values(E * d * es, rng, 0.05);
+  std::vector<float> ref(size_t(sels * es), 0.f);
+  CvmmWorkspace<float> ws;
+  cvmm_forward(ref.data(), X.data(), W.data(), static_cast<const float*>(nullptr), mine, d, es, ws);
+
+  cuda::CvmmPlanner planner(sels, E);
+  cuda::CvmmPlanBuffers plan = planner.make_buffers();
+  const DeviceBuffer<int32_t> gindex(index);
+  planner.build(plan, gindex.get(), n, 1, E, k, cuda::CvmmRoute::kGatherToSelections, 0);
+  const DeviceBuffer<bf16> gX(to_bf16(X)), gW(to_bf16(W));
+  DeviceBuffer<bf16> out(std::vector<bf16>(size_t(sels * es), __float2bfloat16(NAN)));
+  cuda::cvmm_rows(plan.view(), {gX.get(), gW.get(), nullptr, out.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0);
+  const std::vector<float> got = to_float(out.download());
+  std::vector<float> got_mine, ref_mine;
+  int64_t untouched = 0;
+  for (int64_t i = 0; i < sels; ++i)
+    for (int64_t c = 0; c < es; ++c) {
+      const float v = got[size_t(i * es + c)];
+      if (index[i] < 0) {
+        untouched += std::isnan(v);
+      } else {
+        got_mine.push_back(v);
+        ref_mine.push_back(ref[size_t(i * es + c)]);
+      }
+    }
+  EXPECT_EQ(untouched, (sels - int64_t(mine.expert.size())) * es) << "rows of other ranks' selections were written";
+  EXPECT_LE(rel_error(got_mine, ref_mine), 1e-2);
+}
+
 }  // namespace
 }  // namespace moeut
