@@ -103,7 +103,42 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   head_ = std::make_unique<cuda::LmHeadCE>(cublas_, cfg_.n_tokens, d);
 }
 
+const char* GpuModel::part_name(Part p) {
+  static const char* names[] = {"attention", "experts", "routing", "dense", "other"};
+  return names[size_t(p)];
+}
+
+void GpuModel::mark(Part p) {
+  if (!profiling_) return;
+  if (!marks_.empty() && marks_.back().second == p) return;
+  cudaEvent_t e;
+  if (spare_events_.empty()) {
+    MOEUT_CUDA_CHECK(cudaEventCreate(&e));
+  } else {
+    e = spare_events_.back();
+    spare_events_.pop_back();
+  }
+  MOEUT_CUDA_CHECK(cudaEventRecord(e, stream_));
+  marks_.emplace_back(e, p);
+}
+
+std::array<double, size_t(GpuModel::Part::kCount)> GpuModel::take_profile() {
+  std::array<double, size_t(Part::kCount)> seconds{};
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (size_t i = 0; i + 1 < marks_.size(); ++i) {
+    if (marks_[i].second == Part::kCount) continue;
+    float ms = 0;
+    MOEUT_CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[i].first, marks_[i + 1].first));
+    seconds[size_t(marks_[i].second)] += ms / 1e3;
+  }
+  for (auto& m : marks_) spare_events_.push_back(m.first);
+  marks_.clear();
+  return seconds;
+}
+
 GpuModel::~GpuModel() {
+  for (auto& m : marks_) cudaEventDestroy(m.first);
+  for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
   if (cublas_) cublasDestroy(cublas_);
   if (own_stream_) cudaStreamDestroy(stream_);
 }
@@ -146,26 +181,36 @@ void GpuModel::attention_forward(int64_t l) {
   const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
   const float* x = xs_[l].get();
+  mark(Part::kOther);
   cuda::layernorm_forward(L.xn1.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
                           d, stream_);
   cuda::to_bf16(L.xb.get(), x, N * d, stream_);  // the value experts read the raw residual
   const float s = float(std::pow(double(dh), -0.25));
+  mark(Part::kDense);
   dense(L.xn1.get(), p + "attention.q.weight", N, hd, s, L.q.get(), CUDA_R_16BF);
   dense(L.xn1.get(), p + "attention.k.weight", N, hd, s, L.k.get(), CUDA_R_16BF);
+  mark(Part::kAttention);
   cuda::rope_forward(L.q.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   cuda::rope_forward(L.k.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
+  mark(Part::kDense);
   dense(L.xn1.get(), p + "attention.sel_v", N, H * Ea, 1.f, L.zv.get(), CUDA_R_32F);
   dense(L.xn1.get(), p + "attention.sel_o", N, H * Ea, 1.f, L.zo.get(), CUDA_R_32F);
+  mark(Part::kRouting);
   cuda::topk_sigmoid_forward(L.iv.get(), L.wv.get(), L.zv.get(), N, H, Ea, ka, stream_);
   cuda::topk_sigmoid_forward(L.io.get(), L.wo.get(), L.zo.get(), N, H, Ea, ka, stream_);
+  mark(Part::kExperts);
   planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, stream_);
   planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, stream_);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(vsum_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
   cuda::cvmm_rows(L.plan_v.view(), {L.xb.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, vsum_.get(), nullptr,
                                      nullptr, d, dh, false, true}, stream_);
+  mark(Part::kOther);
   cuda::to_bf16(L.v.get(), vsum_.get(), N * hd, stream_);
+  mark(Part::kAttention);
   attention_->forward(L.heads.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
+  mark(Part::kOther);
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(L.x_mid.get(), x, size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+  mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
                                      nullptr, dh, d, false, true}, stream_);
 }
@@ -174,17 +219,23 @@ void GpuModel::ffn_forward(int64_t l) {
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
+  mark(Part::kOther);
   cuda::layernorm_forward(L.xn2.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
                           wparam(p + "ln2.bias"), N, d, stream_);
   cuda::to_bf16(L.x_midb.get(), L.x_mid.get(), N * d, stream_);
+  mark(Part::kDense);
   dense(L.xn2.get(), p + "ffn.expert_sel", N, Ef, 1.f, L.z.get(), CUDA_R_32F);
+  mark(Part::kRouting);
   cuda::topk_sigmoid_forward(L.i_ff.get(), L.w_ff.get(), L.z.get(), N, 1, Ef, kf, stream_);
   float* y = xs_[l + 1].get();
+  mark(Part::kOther);
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(y, L.x_mid.get(), size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   if (!dispatcher_) {
+    mark(Part::kExperts);
     experts_forward(l, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, y);
     return;
   }
+  mark(Part::kExperts);
   L.received = dispatcher_->dispatch(L.route, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, L.recv_x.get(),
                                      L.recv_index.get(), L.recv_weight.get());
   MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(L.received * d) * sizeof(float), stream_));
@@ -197,6 +248,7 @@ void GpuModel::experts_forward(int64_t l, const bf16* X, const int32_t* index, c
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  mark(Part::kExperts);
   planner_->build(L.plan_ff, index, rows, 1, E, kf, cuda::CvmmRoute::kGatherToSelections, stream_);
   cuda::cvmm_rows(L.plan_ff.view(), {X, wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr, nullptr, d, es,
                                       false, false}, stream_);
@@ -212,6 +264,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
     throw std::invalid_argument("GpuModel: batch of " + std::to_string(B) + " sequences, planned for " + std::to_string(batch_));
   const bool backward = pass == Pass::kTrain;
   B_ = B;
+  mark(Part::kAttention);
   attention_->set_batch(B);
   const int64_t T = cfg_.context, N = B * T, d = cfg_.d_model;
   std::vector<int32_t> in(static_cast<size_t>(N)), tg(static_cast<size_t>(N));
@@ -220,6 +273,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       in[b * T + t] = tokens[b * (T + 1) + t];
       tg[b * T + t] = tokens[b * (T + 1) + t + 1];
     }
+  mark(Part::kOther);
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(inputs_.get(), in.data(), size_t(N) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(targets_.get(), tg.data(), size_t(N) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   cuda::embedding_forward(xs_[0].get(), inputs_.get(), wparam("embedding.weight"), N, d, stream_);
@@ -227,6 +281,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
     attention_forward(l);
     ffn_forward(l);
   }
+  mark(Part::kOther);
   cuda::layernorm_forward(xf_.get(), mean_f_.get(), rstd_f_.get(), xs_.back().get(), wparam("out_norm.weight"),
                           wparam("out_norm.bias"), N, d, stream_);
 
@@ -245,15 +300,18 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       zv.push_back(L.zv.get()); dzv.push_back(L.dz_reg_v.get());
       zo.push_back(L.zo.get()); dzo.push_back(L.dz_reg_o.get());
     }
+    mark(Part::kRouting);
     reg_ffn_->forward_backward(dzf, zf, T, weight * cfg_.entropy_reg, reg_loss_.get(), stream_);
     reg_att_->forward_backward(dzv, zv, T, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, stream_);
     reg_att_->forward_backward(dzo, zo, T, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, stream_);
   }
   // The cross-entropy gradient starts the backward pass at the output LayerNorm.
+  mark(Part::kDense);
   head_->run(row_loss_.get(), backward ? dxf_.get() : nullptr, gparam("lm_head.weight"), gparam("lm_head.bias"),
              xf_.get(), wparam("lm_head.weight"), wparam("lm_head.bias"), targets_.get(), N, float(weight / double(N)),
              stream_);
   if (backward) {
+    mark(Part::kOther);
     MOEUT_CUDA_CHECK(cudaMemsetAsync(dres_.get(), 0, dres_.size() * sizeof(float), stream_));
     cuda::layernorm_backward(dres_.get(), gparam("out_norm.weight"), gparam("out_norm.bias"), dxf_.get(),
                              xs_.back().get(), wparam("out_norm.weight"), mean_f_.get(), rstd_f_.get(), N, d, stream_);
@@ -261,8 +319,10 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       ffn_backward(l);
       attention_backward(l);
     }
+    mark(Part::kOther);
     cuda::embedding_backward(gparam("embedding.weight"), dres_.get(), inputs_.get(), N, d, stream_);
   }
+  mark(Part::kCount);
   std::vector<float> rows(static_cast<size_t>(N));
   std::vector<double> regs(2);
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(rows.data(), row_loss_.get(), size_t(N) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
@@ -294,9 +354,12 @@ void GpuModel::dense_backward(const bf16* dy, const bf16* x, const std::string& 
 void GpuModel::router_backward(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E,
                                int64_t k, const bf16* x, const std::string& weight, bool accumulate) {
   const int64_t N = B_ * cfg_.context, n = N * groups * E;
+  mark(Part::kRouting);
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(dz_.get(), dz_reg, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   cuda::topk_sigmoid_backward(dz_.get(), dw_.get(), index, w, N, groups, E, k, stream_);
+  mark(Part::kOther);
   cuda::to_bf16(dzb_.get(), dz_.get(), n, stream_);
+  mark(Part::kDense);
   dense_backward(dzb_.get(), x, weight, N, groups * E, 1.f, dxn_.get(), accumulate);
 }
 
@@ -306,11 +369,14 @@ void GpuModel::ffn_backward(int64_t l) {
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
   // dres holds d/d(layer output). The FFN input is the raw x_mid: its expert gradient adds
   // straight onto dres, and so does LN2's.
+  mark(Part::kOther);
   cuda::to_bf16(dresb_.get(), dres_.get(), N * d, stream_);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * kf) * sizeof(float), stream_));
   if (!dispatcher_) {
+    mark(Part::kExperts);
     experts_backward(l, dresb_.get(), L.x_midb.get(), L.w_ff.get(), N, dres_.get(), dw_.get());
   } else {
+    mark(Part::kExperts);
     dispatcher_->dispatch_grad(L.route, dresb_.get(), recv_dy_.get());
     MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(L.received * d) * sizeof(float), stream_));
     MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_dw_.get(), 0, size_t(L.received * kf) * sizeof(float), stream_));
@@ -319,6 +385,7 @@ void GpuModel::ffn_backward(int64_t l) {
     dispatcher_->combine_grad(L.route, recv_rows_.get(), recv_dw_.get(), dres_.get(), dw_.get());
   }
   router_backward(L.dz_reg_ff.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, L.xn2.get(), p + "ffn.expert_sel", false);
+  mark(Part::kOther);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
                            wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_);
 }
@@ -328,6 +395,7 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, const bf16* X, const 
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_ff.view(), {dY, wparam(p + "ffn.values"), weight, dhidden_.get(), nullptr, dw, L.hidden.get(),
                                       d, es, true, false}, stream_);
   cuda::cvmm_weight_grad(L.plan_ff.view(true), {L.hidden.get(), dY, weight, true, gparam(p + "ffn.values"), es, d, E},
@@ -343,29 +411,37 @@ void GpuModel::attention_backward(int64_t l) {
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
+  mark(Part::kOther);
   cuda::to_bf16(dresb_.get(), dres_.get(), N * d, stream_);
   // Output experts: head gradients (ka selections per head row: accumulated in fp32).
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dheads_f32_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
+  mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_o.view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
                                          dw_.get(), L.heads.get(), d, dh, true, true}, stream_);
   cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
                                             d, H * Ea}, stream_);
   router_backward(L.dz_reg_o.get(), L.io.get(), L.wo.get(), H, Ea, ka, L.xn1.get(), p + "attention.sel_o", false);
+  mark(Part::kOther);
   cuda::to_bf16(dheads_.get(), dheads_f32_.get(), N * hd, stream_);
+  mark(Part::kAttention);
   attention_->backward(dq_.get(), dk_.get(), dv_.get(), dheads_.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
   // Value experts read the raw residual: their input gradient adds onto dres.
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
+  mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), dw_.get(),
                                          L.xb.get(), dh, d, true, true}, stream_);
   cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
                                             H * Ea}, stream_);
   router_backward(L.dz_reg_v.get(), L.iv.get(), L.wv.get(), H, Ea, ka, L.xn1.get(), p + "attention.sel_v", true);
+  mark(Part::kAttention);
   cuda::rope_backward(dq_.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   cuda::rope_backward(dk_.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   const float s = float(std::pow(double(dh), -0.25));
+  mark(Part::kDense);
   dense_backward(dq_.get(), L.xn1.get(), p + "attention.q.weight", N, hd, s, dxn_.get(), true);
   dense_backward(dk_.get(), L.xn1.get(), p + "attention.k.weight", N, hd, s, dxn_.get(), true);
+  mark(Part::kOther);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
                            wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_);
 }

@@ -5,6 +5,7 @@
 #pragma once
 #include <cublas_v2.h>
 
+#include <array>
 #include <memory>
 #include <vector>
 
@@ -43,6 +44,14 @@ class GpuModel {
   cudaStream_t stream() const { return stream_; }
   int64_t dispatch_bytes() const { return dispatcher_ ? dispatcher_->bytes_sent() : 0; }  // sent to other ranks
 
+  // Where a pass spends device time, by part (moeut-bench): events at each change of part, read
+  // back only when asked for. Off by default.
+  enum class Part { kAttention, kExperts, kRouting, kDense, kOther, kCount };
+  static const char* part_name(Part p);
+  void set_profiling(bool on) { profiling_ = on; }
+  // Device seconds per part since the last call (waits for the work).
+  std::array<double, size_t(Part::kCount)> take_profile();
+
   // tokens (host): [batch, context + 1]. Mean losses of the batch.
   LossParts forward(const int32_t* tokens) { return run(tokens, batch_, 1.0, Pass::kLoss); }
   // Also accumulates into the gradients that of weight · (mean CE + regularisers), as
@@ -78,6 +87,7 @@ class GpuModel {
                        const bf16* x, const std::string& weight, bool accumulate);
   void dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out_features, float alpha, void* y,
              cudaDataType y_type);
+  void mark(Part p);  // the work queued from here on belongs to p (kCount: none)
 
 
   ModelConfig cfg_;
@@ -105,6 +115,9 @@ class GpuModel {
   std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_;
   std::unique_ptr<cuda::LmHeadCE> head_;
   std::unique_ptr<cuda::CvmmPlanner> planner_;
+  bool profiling_ = false;
+  std::vector<std::pair<cudaEvent_t, Part>> marks_;
+  std::vector<cudaEvent_t> spare_events_;
 };
 
 

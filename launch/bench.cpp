@@ -2,6 +2,7 @@
 // tokens/s, TFLOP/s and MFU (the spec's FLOP formula over the bf16 peak measured in the same
 // run), peak GPU memory and the split between forward, backward and optimizer.
 #include <boost/program_options.hpp>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -59,21 +60,26 @@ int main(int argc, char** argv) {
     using clock = std::chrono::steady_clock;
     auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
     double fwd = 0, total = 0, opt = 0;
+    std::array<double, size_t(GpuModel::Part::kCount)> parts{};  // forward + backward, device time
+    model.set_profiling(true);
     LossParts loss;
     for (int64_t s = 0; s < warmup + steps; ++s) {
       const auto t0 = clock::now();
       model.forward(tokens.data());
       MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
+      model.take_profile();  // the forward-only pass is not part of the split
       const auto t1 = clock::now();
       model.zero_gradients();
       loss = model.forward_backward(tokens.data(), 1.0);
       MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
       const auto t2 = clock::now();
+      const auto split = model.take_profile();
       optimizer.step(model.working(), model.grads(), cfg.train.lr, cfg.train);
       MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
       const auto t3 = clock::now();
       if (s < warmup) continue;
       fwd += seconds(t0, t1);
+      for (size_t i = 0; i < parts.size(); ++i) parts[i] += split[i];
       total += seconds(t1, t2);
       opt += seconds(t2, t3);
     }
@@ -86,6 +92,14 @@ int main(int argc, char** argv) {
                 loss.ce, step * 1e3, fwd * 1e3, (total - fwd) * 1e3, opt * 1e3);
     std::printf("%.0f tokens/s | %.1f TFLOP/s | MFU %.1f%% | GPU memory in use %.1f GiB\n", tokens_per_step / step,
                 tflops, 100.0 * tflops / peak, double(total_bytes - free_bytes) / double(1ull << 30));
+    // The split of the step: forward + backward by part (device time between part changes, so
+    // with profiling events in the stream), then the optimizer.
+    std::printf("step split (ms, %% of step):");
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const double ms = parts[i] / double(steps) * 1e3;
+      std::printf(" %s %.1f (%.0f%%) |", GpuModel::part_name(GpuModel::Part(i)), ms, ms / (step * 1e3) * 100);
+    }
+    std::printf(" optimizer %.1f (%.0f%%)\n", opt * 1e3, opt / step * 100);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moeut-bench: error: %s\n", e.what());
