@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the project builds and runs with. Idempotent: skips what is there.
 set -euo pipefail
-packages=(cmake g++ make pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools
+packages=(cmake g++ make pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools zlib1g-dev
           libboost-program-options-dev libgtest-dev sentencepiece libsentencepiece-dev ninja-build
           ca-certificates curl)
 missing=()

@@ -1,10 +1,12 @@
 // moeut-train: trains a MoEUT profile, in one process or over MPI ranks
-// (mpirun -np N moeut-train --ep E ...), and writes the interchange weights file.
+// (mpirun -np N moeut-train --ep E ...), with sharded checkpoints to resume from, and writes the
+// interchange weights file.
 #include <mpi.h>
 
 #include <cstdio>
 #include <exception>
 
+#include "checkpoints/checkpoint.h"
 #include "checkpoints/weights_file.h"
 #include "core/trainer.h"
 #include "parallel/mpi_communicator.h"
@@ -20,6 +22,7 @@ int main(int argc, char** argv) {
     if (parse_train_args(argc, argv, config)) {
       const ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, int(config.train.ep));
       Trainer trainer(config, groups);
+      setup_checkpoints(trainer);
       trainer.run();
       const std::vector<float> params = trainer.full_parameters();
       if (rank == 0) {
@@ -31,6 +34,10 @@ int main(int argc, char** argv) {
     // Every rank reads the same configuration and refuses it alike, before any collective.
     if (rank == 0) std::fprintf(stderr, "moeut-train: %s\n", e.what());
     status = 2;
+  } catch (const CheckpointError& e) {
+    // Every rank throws it together, with the same message (checkpoint.h).
+    if (rank == 0) std::fprintf(stderr, "moeut-train: checkpoint: %s\n", e.what());
+    status = 1;
   } catch (const std::invalid_argument& e) {  // a layout that cannot be built, e.g. --ep
     if (rank == 0) std::fprintf(stderr, "moeut-train: invalid configuration: %s\n", e.what());
     status = 2;

@@ -94,12 +94,24 @@ TEST(ConfigValidation, RefusesEachBrokenRuleNamingOptionAndRule) {
       {{"--eval_batches", "0"}, "eval_batches", "positive"},
       {{"--device", "tpu"}, "device", "must be cpu, cuda or auto"},
       {{"--dispatcher", "broadcast"}, "dispatcher", "must be all_to_all or all_gather"},
+      {{"--checkpoint_dir", "c", "--checkpoint_every", "-1"}, "checkpoint_every", ">= 0"},
+      {{"--checkpoint_dir", "c", "--keep_checkpoints", "-2"}, "keep_checkpoints", ">= 0"},
+      {{"--checkpoint_every", "10"}, "checkpoint_every", "needs checkpoint_dir"},
+      {{"--keep_checkpoints", "3"}, "keep_checkpoints", "needs checkpoint_dir"},
+      {{"--resume", "latest"}, "resume", "latest needs checkpoint_dir"},
   };
   for (const Case& c : cases) {
     const std::string err = parse_error(c.args);
     EXPECT_NE(err.find(c.option + ":"), std::string::npos) << c.args[0] << " gave: " << err;
     EXPECT_NE(err.find(c.rule), std::string::npos) << c.args[0] << " gave: " << err;
   }
+}
+
+TEST(ConfigValidation, AcceptsCheckpointOptions) {
+  EXPECT_EQ(parse_error({"--checkpoint_dir", "c", "--checkpoint_every", "10", "--keep_checkpoints", "2", "--resume",
+                         "latest"}),
+            "");
+  EXPECT_EQ(parse_error({"--resume", "runs/c/step_00000010"}), "");  // a directory needs no checkpoint_dir
 }
 
 TEST(ConfigValidation, RequiresTheDataFiles) {

@@ -1,0 +1,320 @@
+#include "checkpoints/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <map>
+
+#include "checkpoints/shard_file.h"
+
+namespace fs = std::filesystem;
+
+namespace moeut {
+namespace {
+
+constexpr const char* kManifest = "manifest.h5";
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) { throw CheckpointError(path + ": " + what); }
+
+// Runs `local` (no collectives in it) on every rank, then agrees on the outcome: if it threw
+// anywhere, every rank throws CheckpointError with the message of the lowest failing rank.
+void agree(Communicator& world, const std::function<void()>& local) {
+  std::string error;
+  try {
+    local();
+  } catch (const std::exception& e) {
+    error = *e.what() ? e.what() : "unknown error";
+  }
+  std::vector<double> lengths(size_t(world.size()), 0.0);
+  lengths[size_t(world.rank())] = double(error.size());
+  world.all_reduce_sum(lengths);
+  const auto first = std::find_if(lengths.begin(), lengths.end(), [](double n) { return n > 0; });
+  if (first == lengths.end()) return;
+  std::vector<int64_t> counts(lengths.begin(), lengths.end());
+  std::vector<int64_t> offsets(counts.size(), 0);
+  for (size_t r = 1; r < counts.size(); ++r) offsets[r] = offsets[r - 1] + counts[r - 1];
+  std::vector<int32_t> text(size_t(offsets.back() + counts.back()));
+  std::copy(error.begin(), error.end(), text.begin() + offsets[size_t(world.rank())]);
+  world.all_gather_v(std::span<int32_t>(text), counts);
+  const size_t r = size_t(first - lengths.begin());
+  throw CheckpointError(std::string(text.begin() + offsets[r], text.begin() + offsets[r] + counts[r]));
+}
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  const bool ok = fd >= 0 && ::fsync(fd) == 0;
+  if (fd >= 0) ::close(fd);
+  if (!ok) fail(path, "cannot fsync");
+}
+
+// Beside a step directory, a name that no reader takes for a checkpoint: .step_<N>.<what>
+fs::path hidden(const fs::path& step_dir, const char* what) {
+  std::string name = ".";
+  name += step_dir.filename().string();
+  name += '.';
+  name += what;
+  return step_dir.parent_path() / name;
+}
+
+// Step of a complete checkpoint directory name (step_<digits> holding a manifest), or -1.
+int64_t checkpoint_step(const fs::directory_entry& e) {
+  const std::string name = e.path().filename().string();
+  if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 ||
+      !std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return -1;
+  if (!e.is_directory() || !fs::exists(e.path() / kManifest)) return -1;
+  return std::stoll(name.substr(5));
+}
+
+std::map<int64_t, fs::path> complete_checkpoints(const std::string& dir) {
+  std::map<int64_t, fs::path> out;
+  if (!fs::is_directory(dir)) return out;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir))
+    if (const int64_t step = checkpoint_step(e); step >= 0) out[step] = e.path();
+  return out;
+}
+
+// Deletes the oldest checkpoints beyond `keep`. Each is renamed away first, so a kill while
+// deleting never leaves a partial step_<N> directory that looks complete.
+void remove_old(const std::string& dir, int64_t keep) {
+  std::map<int64_t, fs::path> all = complete_checkpoints(dir);
+  while (keep > 0 && int64_t(all.size()) > keep) {
+    const fs::path old = all.begin()->second;
+    const fs::path doomed = hidden(old, "deleting");
+    fs::remove_all(doomed);
+    fs::rename(old, doomed);
+    fs::remove_all(doomed);
+    all.erase(all.begin());
+  }
+}
+
+// The checks every rank makes before reading a byte of tensor data; the model is compared
+// when one is given.
+Manifest open_checkpoint(const std::string& dir, const ModelConfig* model) {
+  if (!fs::exists(dir)) fail(dir, "no such checkpoint directory");
+  if (!fs::is_directory(dir)) fail(dir, "not a checkpoint (not a directory)");
+  const std::string manifest_path = (fs::path(dir) / kManifest).string();
+  if (!fs::exists(manifest_path)) fail(dir, std::string("not a checkpoint (no ") + kManifest + ")");
+  Manifest m = read_manifest(manifest_path);
+  const std::string diff = model ? h5::model_difference(m.model, "the checkpoint", *model, "this run") : "";
+  if (!diff.empty()) fail(manifest_path, "saved from another model: " + diff);
+  for (size_t r = 0; r < m.files.size(); ++r) {
+    const std::string path = (fs::path(dir) / m.files[r]).string();
+    if (!fs::exists(path)) fail(path, "missing (the manifest lists it)");
+    const int64_t bytes = int64_t(fs::file_size(path));
+    if (bytes != m.file_bytes[r])
+      fail(path, std::string(bytes < m.file_bytes[r] ? "truncated" : "changed") + ": " + std::to_string(bytes) +
+                     " bytes, the manifest says " + std::to_string(m.file_bytes[r]));
+  }
+  return m;
+}
+
+// Elements [begin, begin + count) of `tensor` go to dst.
+struct Need {
+  std::string tensor;
+  int64_t begin = 0, count = 0;
+  float* dst = nullptr;
+};
+
+// Fills every need of `kind` from the pieces that overlap it, reading each such piece once:
+// straight into place when one need holds all of it (a layout reading its own pieces), else
+// into a scratch buffer to copy from.
+void read_needs(PieceReader& reader, const Manifest& m, Kind kind, const std::vector<Need>& needs) {
+  std::map<std::string, std::vector<const Need*>> wanted;
+  for (const Need& n : needs) wanted[n.tensor].push_back(&n);
+  std::vector<float> scratch;
+  for (const Piece& p : m.pieces) {
+    const auto it = p.kind == kind ? wanted.find(p.tensor) : wanted.end();
+    if (it == wanted.end()) continue;
+    const int64_t end = p.offset + p.elements;
+    std::vector<const Need*> overlapping;
+    for (const Need* n : it->second)
+      if (std::max(p.offset, n->begin) < std::min(end, n->begin + n->count)) overlapping.push_back(n);
+    if (overlapping.empty()) continue;
+    const Need* whole = overlapping.front();
+    if (overlapping.size() == 1 && whole->begin <= p.offset && end <= whole->begin + whole->count) {
+      reader.read(p, whole->dst + (p.offset - whole->begin));
+      continue;
+    }
+    scratch.resize(size_t(p.elements));
+    reader.read(p, scratch.data());
+    for (const Need* n : overlapping) {
+      const int64_t lo = std::max(p.offset, n->begin), hi = std::min(end, n->begin + n->count);
+      std::copy_n(scratch.data() + (lo - p.offset), hi - lo, n->dst + (lo - n->begin));
+    }
+  }
+}
+
+}  // namespace
+
+std::string step_directory(const std::string& checkpoint_dir, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08lld", (long long)step);
+  return (fs::path(checkpoint_dir) / name).string();
+}
+
+std::string latest_checkpoint(const std::string& checkpoint_dir) {
+  const std::map<int64_t, fs::path> all = complete_checkpoints(checkpoint_dir);
+  return all.empty() ? "" : all.rbegin()->second.string();
+}
+
+SaveReport save_checkpoint(const std::string& checkpoint_dir, int64_t step, int64_t keep, const Config& c,
+                           const ProcessGroups& groups, TrainingBackend& backend) {
+  Communicator& world = *groups.world;
+  const auto start = std::chrono::steady_clock::now();
+  const std::string target = step_directory(checkpoint_dir, step);
+  const fs::path tmp = hidden(target, "tmp");
+  const bool leader = world.rank() == 0;
+  agree(world, [&] {
+    if (!leader) return;
+    if (fs::exists(target)) fail(target, "exists already; a checkpoint is never overwritten");
+    fs::remove_all(tmp);  // left by a save that was killed
+    fs::create_directories(tmp);
+  });
+
+  const ParamLayout full(c.model);
+  double bytes = 0;
+  int64_t optimizer_steps = 0;
+  agree(world, [&] {
+    const OptimizerShard shard = backend.optimizer_shard();
+    optimizer_steps = shard.steps;
+    const std::string path = (tmp / rank_file_name(world.rank())).string();
+    const ShardHeader header{world.rank(), world.size(), groups.ep(), backend.layout().shard(), step, shard.steps,
+                             c.train.seed};
+    write_shard_file(path, header, full, owned_ranges(backend.layout(), backend.partition()), shard);
+    bytes = double(fs::file_size(path));
+  });
+  world.all_reduce_sum(std::span<double>(&bytes, 1));
+
+  SaveReport report{target, world.size() + 1, int64_t(bytes), 0};
+  agree(world, [&] {
+    if (!leader) return;
+    Manifest m;
+    m.model = c.model;
+    m.train = c.train;
+    m.step = step;
+    m.optimizer_steps = optimizer_steps;
+    m.world_size = world.size();
+    m.ep = groups.ep();
+    for (int64_t j = 0; j < m.ep; ++j) m.expert_shards.push_back(expert_shard(c.model.ff_n_experts, m.ep, j));
+    for (int64_t r = 0; r < m.world_size; ++r) {
+      const std::string name = rank_file_name(r), path = (tmp / name).string();
+      const std::vector<Piece> pieces = read_shard_index(path, name, r, step, full);
+      m.pieces.insert(m.pieces.end(), pieces.begin(), pieces.end());
+      m.files.push_back(name);
+      m.file_bytes.push_back(int64_t(fs::file_size(path)));
+    }
+    const std::string manifest = (tmp / kManifest).string();
+    write_manifest(manifest, m);
+    fsync_path(manifest, false);
+    fsync_path(tmp.string(), true);
+    report.bytes += int64_t(fs::file_size(manifest));
+    fs::rename(tmp, target);  // the checkpoint appears whole, or not at all
+    fsync_path(checkpoint_dir, true);
+    remove_old(checkpoint_dir, keep);
+  });
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return report;
+}
+
+Manifest load_checkpoint(const std::string& dir, const Config& c, const ProcessGroups& groups,
+                         TrainingBackend& backend) {
+  Manifest m;
+  OptimizerShard shard;
+  agree(*groups.world, [&] {
+    m = open_checkpoint(dir, &c.model);
+    const std::vector<OwnedRange> ranges = owned_ranges(backend.layout(), backend.partition());
+    const size_t n = size_t(backend.partition().owned_elements());
+    shard.master.resize(n);
+    shard.m.resize(n);
+    shard.v.resize(n);
+    shard.steps = m.optimizer_steps;
+    PieceReader reader(dir, m.step);
+    for (Kind k : kKinds) {
+      std::vector<float>& to = k == Kind::kParam ? shard.master : k == Kind::kExpAvg ? shard.m : shard.v;
+      std::vector<Need> needs;
+      for (const OwnedRange& r : ranges) needs.push_back({r.tensor, r.begin, r.count, to.data() + r.state_offset});
+      read_needs(reader, m, k, needs);
+    }
+  });
+  backend.load_optimizer_shard(shard);
+  return m;
+}
+
+CheckpointWeights read_checkpoint_weights(const std::string& dir) {
+  try {
+    const Manifest m = open_checkpoint(dir, nullptr);
+    CheckpointWeights w{m.model, m.step, {}};
+    const ParamLayout layout(w.model);
+    w.params.resize(size_t(layout.total()));
+    std::vector<Need> needs;
+    for (const TensorSpec& t : layout.tensors()) needs.push_back({t.name, 0, t.numel, w.params.data() + t.offset});
+    PieceReader reader(dir, m.step);
+    read_needs(reader, m, Kind::kParam, needs);
+    return w;
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CheckpointError(e.what());
+  }
+}
+
+void setup_checkpoints(Trainer& trainer) {
+  const Config& c = trainer.config();
+  const TrainConfig& t = c.train;
+  const ProcessGroups& groups = trainer.groups();
+  Communicator& world = *groups.world;
+  const bool leader = world.rank() == 0;
+  int64_t start = 0;
+  if (!t.resume.empty()) {
+    std::string dir = t.resume;
+    agree(world, [&] {
+      if (t.resume != "latest") return;
+      dir = latest_checkpoint(t.checkpoint_dir);
+      if (dir.empty()) fail(t.checkpoint_dir, "--resume latest: no complete checkpoint (step_<N>/manifest.h5) here");
+    });
+    const auto begin = std::chrono::steady_clock::now();
+    const Manifest m = load_checkpoint(dir, c, groups, trainer.backend());
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    if (m.step > t.steps)  // the same on every rank: they read the same manifest
+      fail(dir, "is at step " + std::to_string(m.step) + ", beyond --steps " + std::to_string(t.steps));
+    start = m.step;
+    trainer.start_at(start);
+    if (leader) {
+      std::printf("resumed from %s: step %lld, saved by world %lld, ep %lld | loaded in %.3f s\n", dir.c_str(),
+                  (long long)m.step, (long long)m.world_size, (long long)m.ep, seconds);
+      for (const std::string& d : train_differences(m.train, t)) std::printf("  training option changed: %s\n", d.c_str());
+      std::fflush(stdout);
+    }
+  }
+  if (t.checkpoint_dir.empty()) return;
+  // Saves go to steps after `start`; a complete checkpoint there belongs to another run (or
+  // to this one beyond the step resumed from), and would be overwritten or rotated away.
+  agree(world, [&] {
+    const std::map<int64_t, fs::path> all = complete_checkpoints(t.checkpoint_dir);
+    const auto beyond = all.upper_bound(start);
+    if (beyond == all.end()) return;
+    if (start == 0)
+      fail(t.checkpoint_dir, "holds checkpoints already (the newest is " + all.rbegin()->second.filename().string() +
+                                 "); continue them with --resume latest, or choose another checkpoint_dir");
+    fail(beyond->second.string(), "is beyond the resumed step " + std::to_string(start) +
+                                      " and would be overwritten; choose another checkpoint_dir");
+  });
+  trainer.after_step([&trainer, &groups, leader](int64_t step) {
+    const Config& c = trainer.config();
+    const TrainConfig& t = c.train;
+    if (!(step == t.steps || (t.checkpoint_every > 0 && step % t.checkpoint_every == 0))) return;
+    const SaveReport r = save_checkpoint(t.checkpoint_dir, step, t.keep_checkpoints, c, groups, trainer.backend());
+    if (!leader) return;
+    std::printf("checkpoint step %lld -> %s | %lld files, %.2f MB | %.3f s | %.3f GB/s\n", (long long)step,
+                r.directory.c_str(), (long long)r.files, r.bytes / 1e6, r.seconds, r.bytes / 1e9 / r.seconds);
+    std::fflush(stdout);
+  });
+}
+
+}  // namespace moeut

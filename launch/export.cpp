@@ -1,0 +1,41 @@
+// moeut-export: a sharded checkpoint directory (saved by any number of ranks) to the
+// consolidated interchange weights file that moeut-eval and the official code read.
+#include <boost/program_options.hpp>
+#include <cstdio>
+#include <iostream>
+
+#include "checkpoints/checkpoint.h"
+#include "checkpoints/weights_file.h"
+
+namespace po = boost::program_options;
+
+int main(int argc, char** argv) {
+  using namespace moeut;
+  std::string checkpoint, out;
+  po::options_description opts("moeut-export options");
+  opts.add_options()("help,h", "show this help")
+      ("checkpoint", po::value(&checkpoint)->required(), "checkpoint step directory (<checkpoint_dir>/step_<N>)")
+      ("out", po::value(&out)->required(), "HDF5 weights file to write (interchange format)");
+  try {
+    po::variables_map vm;
+    po::store(po::parse_command_line(argc, argv, opts), vm);
+    if (vm.count("help")) {
+      std::cout << opts << "\n";
+      return 0;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::fprintf(stderr, "moeut-export: %s\nrun with --help for the options\n", e.what());
+    return 2;
+  }
+  try {
+    const CheckpointWeights w = read_checkpoint_weights(checkpoint);
+    write_weights(out, w.model, w.params.data());
+    std::printf("exported %s (step %lld, %zu parameters) to %s\n", checkpoint.c_str(), (long long)w.step,
+                w.params.size(), out.c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moeut-export: error: %s\n", e.what());
+    return 1;
+  }
+}

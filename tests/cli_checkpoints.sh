@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Sharded checkpoints as users run them, each run a fresh mpirun of two ranks (ep 2):
+# - a rank killed by SIGKILL in the middle of a save leaves the previous checkpoint complete,
+#   and no partial one under a step_<N> name;
+# - --resume latest continues from it, and the run ends with exactly the weights of a run that
+#   was never interrupted (h5diff: no difference), with the same step losses;
+# - moeut-export of a checkpoint equals the weights moeut-train exports at that step, and
+#   evaluates to the training's final validation loss;
+# - the manifest's virtual datasets read (h5dump) the same values after the directory moved;
+# - a missing rank file and --resume latest with no checkpoint are refused, naming the file.
+# Usage: cli_checkpoints.sh BIN_DIR MPIEXEC WORK_DIR
+set -euo pipefail
+bin=$1 mpiexec=$2 work=$3
+rm -rf "$work" && mkdir -p "$work"
+fail() { echo "FAIL: $*"; exit 1; }
+
+awk 'BEGIN { srand(7); split("the a cat dog sees chases big small red blue runs sleeps on under mat tree", w, " ");
+             for (i = 0; i < 2000; i++) { n = 4 + int(rand() * 6); s = "";
+               for (j = 0; j < n; j++) s = s (j ? " " : "") w[1 + (i * 3 + j * 5 + int(rand() * 3)) % 16];
+               print s "." } }' > "$work/text.txt"
+"$bin/moeut-prepare-data" --input "$work/text.txt" --out_dir "$work/data" --vocab_size 48 --threads 1 > /dev/null
+
+train() {
+  "$mpiexec" -np 2 --oversubscribe "$bin/moeut-train" --config "$(dirname "$0")/../configs/tiny.cfg" \
+    --n_tokens 48 --d_model 32 --n_heads 2 --d_head 16 --ff_n_experts 8 --ff_k 2 --ff_expert_size 16 --context 32 \
+    --steps 20 --batch_size 4 --micro_batch_size 2 --eval_every 0 --threads 1 --ep 2 --device cpu \
+    --train_data "$work/data/train.bin" --val_data "$work/data/val.bin" "$@"
+}
+losses() { sed -n 's/^{"step": \([0-9]*\), "loss": \([^,]*\),.*/\1 \2/p' "$1"; }
+
+train --out_weights "$work/straight.h5" --metrics "$work/straight.jsonl" > "$work/straight.txt"
+
+# Rank 1 kills itself after writing part of its file for step 20.
+if MOEUT_TEST_KILL_DURING_SAVE=1:20 train --checkpoint_dir "$work/ckpt" --checkpoint_every 10 \
+     --out_weights "$work/killed.h5" --metrics "$work/killed.jsonl" > "$work/killed.txt" 2>&1; then
+  fail "the run with a rank killed during the save succeeded"
+fi
+[ -f "$work/ckpt/step_00000010/manifest.h5" ] || fail "step 10 lost"
+[ -d "$work/ckpt/.step_00000020.tmp" ] || fail "the killed save did not start (hook not reached?)"
+[ ! -e "$work/ckpt/step_00000020" ] || fail "a partial step 20 is visible"
+"$bin/moeut-export" --checkpoint "$work/ckpt/step_00000010" --out "$work/step10.h5" > /dev/null
+
+train --checkpoint_dir "$work/ckpt" --checkpoint_every 10 --resume latest \
+  --out_weights "$work/resumed.h5" --metrics "$work/resumed.jsonl" > "$work/resumed.txt"
+grep -q "resumed from $work/ckpt/step_00000010: step 10" "$work/resumed.txt" || fail "did not resume from step 10"
+grep -q "^checkpoint step 20 -> .* GB/s" "$work/resumed.txt" || fail "no save report"
+[ ! -e "$work/ckpt/.step_00000020.tmp" ] || fail "the killed save's directory is left over"
+h5diff "$work/straight.h5" "$work/resumed.h5" || fail "resumed weights differ from the uninterrupted run's"
+diff <(losses "$work/straight.jsonl" | tail -n 10) <(losses "$work/resumed.jsonl") || fail "losses of steps 11-20 differ"
+
+"$bin/moeut-export" --checkpoint "$work/ckpt/step_00000020" --out "$work/step20.h5"
+h5diff "$work/straight.h5" "$work/step20.h5" || fail "the export of step 20 differs from moeut-train's weights"
+trained=$(sed -n 's/^final validation .*val_loss \([0-9.]*\).*/\1/p' "$work/straight.txt")
+evaluated=$("$bin/moeut-eval" --weights "$work/step20.h5" --data "$work/data/val.bin" --context 32 --threads 1 |
+            sed -n 's/^eval .*| loss \([0-9.]*\) .*/\1/p')
+[ -n "$trained" ] && [ "$trained" = "$evaluated" ] || fail "training said '$trained', eval of the export '$evaluated'"
+
+mkdir "$work/moved" && mv "$work/ckpt/step_00000020" "$work/moved/"
+for name in lm_head.bias transformer.layers.1.ffn.keys; do
+  (cd / && h5dump -y -w 0 -d "/$name" -o "$work/virtual.txt" "$work/moved/step_00000020/manifest.h5" > /dev/null)
+  h5dump -y -w 0 -d "/$name" -o "$work/plain.txt" "$work/step20.h5" > /dev/null
+  cmp -s "$work/virtual.txt" "$work/plain.txt" || fail "virtual dataset $name reads other values"
+done
+
+cp -r "$work/ckpt/step_00000010" "$work/broken" && rm "$work/broken/rank_1.h5"
+if train --resume "$work/broken" --out_weights "$work/x.h5" --metrics "$work/x.jsonl" > /dev/null 2> "$work/err.txt"; then
+  fail "resumed from a checkpoint with a missing rank file"
+fi
+grep -q "broken/rank_1.h5: missing" "$work/err.txt" || { cat "$work/err.txt"; fail "unclear refusal"; }
+if train --checkpoint_dir "$work/empty" --resume latest --out_weights "$work/x.h5" > /dev/null 2> "$work/err.txt"; then
+  fail "--resume latest without a checkpoint started"
+fi
+grep -q "empty: --resume latest: no complete checkpoint" "$work/err.txt" || { cat "$work/err.txt"; fail "unclear refusal"; }
+echo "PASS: killed save left step 10; resumed bit-exactly; export = training weights; virtual datasets read back"
