@@ -1,13 +1,12 @@
 // moeut-eval: mean cross-entropy and perplexity of an interchange weights file on a token file.
 #include <omp.h>
 
-#include <boost/program_options.hpp>
 #include <cmath>
 #include <cstdio>
-#include <iostream>
 
 #include "checkpoints/weights_file.h"
 #include "core/trainer.h"
+#include "launch/options.h"
 
 namespace po = boost::program_options;
 
@@ -24,13 +23,7 @@ int main(int argc, char** argv) {
       ("max_windows", po::value(&max_windows)->default_value(max_windows), "evaluate at most this many windows (0: all)")
       ("threads", po::value(&threads)->default_value(threads), "CPU threads (0: OpenMP default)");
   try {
-    po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, opts), vm);
-    if (vm.count("help")) {
-      std::cout << opts << "\n";
-      return 0;
-    }
-    po::notify(vm);
+    if (!parse_options(argc, argv, opts)) return 0;
     if (context <= 0 || batch <= 0 || max_windows < 0 || threads < 0)
       throw ConfigError("context and micro_batch_size must be positive; max_windows and threads >= 0");
   } catch (const std::exception& e) {

@@ -1,11 +1,10 @@
 // moeut-export: a sharded checkpoint directory (saved by any number of ranks) to the
 // consolidated interchange weights file that moeut-eval and the official code read.
-#include <boost/program_options.hpp>
 #include <cstdio>
-#include <iostream>
 
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/weights_file.h"
+#include "launch/options.h"
 
 namespace po = boost::program_options;
 
@@ -17,13 +16,7 @@ int main(int argc, char** argv) {
       ("checkpoint", po::value(&checkpoint)->required(), "checkpoint step directory (<checkpoint_dir>/step_<N>)")
       ("out", po::value(&out)->required(), "HDF5 weights file to write (interchange format)");
   try {
-    po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, opts), vm);
-    if (vm.count("help")) {
-      std::cout << opts << "\n";
-      return 0;
-    }
-    po::notify(vm);
+    if (!parse_options(argc, argv, opts)) return 0;
   } catch (const po::error& e) {
     std::fprintf(stderr, "moeut-export: %s\nrun with --help for the options\n", e.what());
     return 2;

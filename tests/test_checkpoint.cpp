@@ -14,7 +14,7 @@
 
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/tensor_ranges.h"
-#include "token_stream.h"
+#include "small_config.h"
 
 namespace fs = std::filesystem;
 
@@ -30,35 +30,12 @@ fs::path fresh_dir(const std::string& name) {
 }
 
 Config small_run(const std::string& tag) {
-  Config c;
-  ModelConfig& m = c.model;
-  m.n_tokens = 40;
-  m.d_model = 16;
-  m.n_layers = 2;
-  m.group_size = 1;
-  m.n_heads = 2;
-  m.d_head = 8;
-  m.att_n_experts = 3;
-  m.att_k = 2;
-  m.ff_n_experts = 6;
-  m.ff_k = 2;
-  m.ff_expert_size = 8;
-  m.context = 16;
-  TrainConfig& t = c.train;
-  // Files of their own: ctest runs tests in parallel processes.
-  t.train_data = temp("train_" + tag + ".bin").string();
-  t.val_data = temp("val_" + tag + ".bin").string();
-  test::write_token_stream(t.train_data, 40, 20000, 1);
-  test::write_token_stream(t.val_data, 40, 2000, 2);
-  t.metrics = temp("metrics_" + tag + ".jsonl").string();
-  t.steps = 20;
-  t.batch_size = 4;
-  t.micro_batch_size = 2;
-  t.lr = 1e-2;
-  t.warmup_steps = 3;
-  t.eval_every = 0;
-  t.device = "cpu";
-  return c;
+  return test::small_run({.d_model = 16, .n_layers = 2, .group_size = 1, .ff_n_experts = 6, .ff_k = 2,
+                          .ff_expert_size = 8},
+                         {.steps = 20, .batch_size = 4, .micro_batch_size = 2, .warmup_steps = 3,
+                          .train_data = temp("train_" + tag + ".bin").string(),
+                          .val_data = temp("val_" + tag + ".bin").string(),
+                          .metrics = temp("metrics_" + tag + ".jsonl").string()});
 }
 
 struct Outcome {

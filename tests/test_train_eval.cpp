@@ -8,44 +8,21 @@
 #include "checkpoints/weights_file.h"
 #include "core/rng.h"
 #include "core/trainer.h"
-#include "token_stream.h"
+#include "small_config.h"
 
 namespace moeut {
 namespace {
 
-std::string write_stream(const std::string& name, uint32_t V, int64_t n, uint64_t seed) {
-  const std::string path = (std::filesystem::path(testing::TempDir()) / ("moeut_" + name)).string();
-  test::write_token_stream(path, V, n, seed);
-  return path;
+std::string temp(const std::string& name) {
+  return (std::filesystem::path(testing::TempDir()) / ("moeut_" + name)).string();
 }
 
 Config small_run(const std::string& tag) {
-  Config c;
-  ModelConfig& m = c.model;
-  m.n_tokens = 40;
-  m.d_model = 24;
-  m.n_layers = 2;
-  m.group_size = 1;
-  m.n_heads = 2;
-  m.d_head = 8;
-  m.att_n_experts = 3;
-  m.att_k = 2;
-  m.ff_n_experts = 8;
-  m.ff_k = 2;
-  m.ff_expert_size = 16;
-  m.context = 16;
-  TrainConfig& t = c.train;
-  t.train_data = write_stream("train.bin", 40, 20000, 1);
-  t.val_data = write_stream("val.bin", 40, 2000, 2);
-  t.metrics = (std::filesystem::path(testing::TempDir()) / ("moeut_metrics_" + tag + ".jsonl")).string();
-  t.steps = 30;
-  t.batch_size = 8;
-  t.micro_batch_size = 4;
-  t.lr = 1e-2;
-  t.warmup_steps = 3;
-  t.eval_every = 0;
-  t.device = "cpu";  // exact CPU results, also on machines with a GPU
-  return c;
+  return test::small_run({.d_model = 24, .n_layers = 2, .group_size = 1, .ff_n_experts = 8, .ff_k = 2,
+                          .ff_expert_size = 16},
+                         {.steps = 30, .batch_size = 8, .micro_batch_size = 4, .warmup_steps = 3,
+                          .train_data = temp("train.bin"), .val_data = temp("val.bin"),
+                          .metrics = temp("metrics_" + tag + ".jsonl")});
 }
 
 TEST(Training, IsDeterministicForASeedAndLearns) {
@@ -84,7 +61,7 @@ TEST(Training, ExportedWeightsEvaluateToTheFinalValidationLoss) {
   const ProcessGroups g = ProcessGroups::single();
   Trainer trainer(c, g);
   const double final_loss = trainer.run();
-  const std::string path = (std::filesystem::path(testing::TempDir()) / "moeut_export.h5").string();
+  const std::string path = temp("export.h5");
   write_weights(path, c.model, trainer.full_parameters().data());
   Weights w = read_weights(path);
   w.config.context = c.model.context;

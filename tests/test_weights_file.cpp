@@ -10,24 +10,14 @@
 
 #include "checkpoints/weights_file.h"
 #include "core/model.h"
+#include "small_config.h"
 
 namespace moeut {
 namespace {
 
 ModelConfig small_config() {
-  ModelConfig m;
-  m.n_tokens = 50;
-  m.d_model = 12;
-  m.n_layers = 4;
-  m.group_size = 2;
-  m.n_heads = 2;
-  m.d_head = 8;
-  m.att_n_experts = 3;
-  m.att_k = 2;
-  m.ff_n_experts = 6;
-  m.ff_k = 2;
-  m.ff_expert_size = 5;
-  return m;
+  return test::small_model({.d_model = 12, .n_layers = 4, .group_size = 2, .ff_n_experts = 6, .ff_k = 2,
+                            .ff_expert_size = 5, .n_tokens = 50});
 }
 
 // The spec's "Interchange names" with the shapes of its "Parameters" section.

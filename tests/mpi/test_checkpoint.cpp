@@ -8,23 +8,17 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 
 #include "checkpoints/checkpoint.h"
+#include "mpi/mpi_test.h"
 #include "parallel/mpi_communicator.h"
-#include "token_stream.h"
 
 namespace fs = std::filesystem;
 
 namespace moeut {
 namespace {
-
-int g_ep = 1;  // from --ep=E
-
-int world_rank() { int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
-int world_size() { int s; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }
 
 // A directory every rank sees, empty; its name holds the world size, as ctest runs the
 // np 1, 2 and 4 variants at the same time.
@@ -42,34 +36,7 @@ std::string rank_file(const std::string& name) {
 }
 
 Config small_run(const std::string& tag) {
-  Config c;
-  ModelConfig& m = c.model;
-  m.n_tokens = 40;
-  m.d_model = 24;
-  m.n_layers = 4;
-  m.group_size = 2;
-  m.n_heads = 2;
-  m.d_head = 8;
-  m.att_n_experts = 3;
-  m.att_k = 2;
-  m.ff_n_experts = 10;  // uneven over 4 ranks: 3, 3, 2, 2
-  m.ff_k = 3;
-  m.ff_expert_size = 8;
-  m.context = 16;
-  TrainConfig& t = c.train;
-  t.train_data = rank_file("train.bin");
-  t.val_data = rank_file("val.bin");
-  test::write_token_stream(t.train_data, 40, 20000, 1);
-  test::write_token_stream(t.val_data, 40, 2000, 2);
-  t.metrics = rank_file("metrics_" + tag + ".jsonl");
-  t.steps = 20;
-  t.batch_size = 8;
-  t.micro_batch_size = 2;
-  t.lr = 1e-2;
-  t.warmup_steps = 2;
-  t.eval_every = 0;
-  t.device = "cpu";
-  return c;
+  return mpi_small_run(20, rank_file("train.bin"), rank_file("val.bin"), rank_file("metrics_" + tag + ".jsonl"));
 }
 
 struct Outcome {
@@ -214,20 +181,3 @@ TEST(Refusal, EveryRankRefusesACorruptPieceThatOneRankReads) {
 
 }  // namespace
 }  // namespace moeut
-
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i)
-    if (std::strncmp(argv[i], "--ep=", 5) == 0) moeut::g_ep = std::atoi(argv[i] + 5);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (rank != 0) delete testing::UnitTest::GetInstance()->listeners().Release(
-                     testing::UnitTest::GetInstance()->listeners().default_result_printer());
-  const int failed = RUN_ALL_TESTS();
-  // A failure on any rank fails the run.
-  int any = failed;
-  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return any;
-}

@@ -6,63 +6,26 @@
 #include <mpi.h>
 
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <functional>
 
 #include "core/rng.h"
 #include "core/trainer.h"
+#include "mpi/mpi_test.h"
 #include "parallel/all_gather_dispatcher.h"
 #include "parallel/all_to_all_dispatcher.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/sharded_optimizer.h"
-#include "token_stream.h"
 
 namespace moeut {
 namespace {
-
-int g_ep = 1;  // from --ep=E
-
-int world_rank() { int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
-int world_size() { int s; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }
 
 std::string temp_file(const std::string& name) {
   return (std::filesystem::path(testing::TempDir()) / ("moeut_mpi" + std::to_string(world_rank()) + "_" + name)).string();
 }
 
-std::string write_stream(const std::string& name, uint32_t V, int64_t n, uint64_t seed) {
-  const std::string path = temp_file(name);
-  test::write_token_stream(path, V, n, seed);
-  return path;
-}
-
 Config small_run() {
-  Config c;
-  ModelConfig& m = c.model;
-  m.n_tokens = 40;
-  m.d_model = 24;
-  m.n_layers = 4;
-  m.group_size = 2;
-  m.n_heads = 2;
-  m.d_head = 8;
-  m.att_n_experts = 3;
-  m.att_k = 2;
-  m.ff_n_experts = 10;  // uneven over 4 ranks: 3, 3, 2, 2
-  m.ff_k = 3;
-  m.ff_expert_size = 8;
-  m.context = 16;
-  TrainConfig& t = c.train;
-  t.train_data = write_stream("train.bin", 40, 20000, 1);
-  t.val_data = write_stream("val.bin", 40, 2000, 2);
-  t.metrics = temp_file("metrics.jsonl");
-  t.steps = 10;
-  t.batch_size = 8;
-  t.micro_batch_size = 2;
-  t.lr = 1e-2;
-  t.warmup_steps = 2;
-  t.eval_every = 0;
-  t.device = "cpu";
-  return c;
+  return mpi_small_run(10, temp_file("train.bin"), temp_file("val.bin"), temp_file("metrics.jsonl"));
 }
 
 double relative(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
@@ -201,20 +164,3 @@ TEST(ShardedOptimizer, StateFallsAsOneOverTheDataParallelDegree) {
 
 }  // namespace
 }  // namespace moeut
-
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i)
-    if (std::strncmp(argv[i], "--ep=", 5) == 0) moeut::g_ep = std::atoi(argv[i] + 5);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (rank != 0) delete testing::UnitTest::GetInstance()->listeners().Release(
-                     testing::UnitTest::GetInstance()->listeners().default_result_printer());
-  const int failed = RUN_ALL_TESTS();
-  // A failure on any rank fails the run.
-  int any = failed;
-  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return any;
-}

@@ -1,0 +1,59 @@
+// Small models and CPU training runs for tests: each test names the sizes it uses; 2 heads of
+// 8 with 3 attention experts choosing 2 are common to all.
+#pragma once
+#include <string>
+
+#include "core/config.h"
+#include "token_stream.h"
+
+namespace moeut::test {
+
+struct SmallModel {
+  int64_t d_model, n_layers, group_size, ff_n_experts, ff_k, ff_expert_size;
+  int64_t n_tokens = 40;
+};
+
+inline ModelConfig small_model(const SmallModel& s) {
+  ModelConfig m;
+  m.n_tokens = s.n_tokens;
+  m.d_model = s.d_model;
+  m.n_layers = s.n_layers;
+  m.group_size = s.group_size;
+  m.n_heads = 2;
+  m.d_head = 8;
+  m.att_n_experts = 3;
+  m.att_k = 2;
+  m.ff_n_experts = s.ff_n_experts;
+  m.ff_k = s.ff_k;
+  m.ff_expert_size = s.ff_expert_size;
+  return m;
+}
+
+// The schedule, and files of the test's own: ctest runs tests in parallel processes.
+struct SmallRun {
+  int64_t steps, batch_size, micro_batch_size, warmup_steps;
+  std::string train_data, val_data, metrics;
+};
+
+// Context 16, lr 1e-2, no periodic evaluation, on token streams written afresh.
+inline Config small_run(const SmallModel& model, const SmallRun& run) {
+  Config c;
+  c.model = small_model(model);
+  c.model.context = 16;
+  TrainConfig& t = c.train;
+  t.train_data = run.train_data;
+  t.val_data = run.val_data;
+  write_token_stream(t.train_data, uint32_t(model.n_tokens), 20000, 1);
+  write_token_stream(t.val_data, uint32_t(model.n_tokens), 2000, 2);
+  t.metrics = run.metrics;
+  t.steps = run.steps;
+  t.batch_size = run.batch_size;
+  t.micro_batch_size = run.micro_batch_size;
+  t.lr = 1e-2;
+  t.warmup_steps = run.warmup_steps;
+  t.eval_every = 0;
+  t.device = "cpu";  // exact CPU results, also on machines with a GPU
+  return c;
+}
+
+}  // namespace moeut::test
