@@ -16,6 +16,10 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, shows its tail
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
 step gpu_tests "$bin/tests/moeut_gpu_tests"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # expert dispatch between two GPU ranks over NCCL
+  step gpu_mpi_tests env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0 \
+    mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE "$bin/tests/moeut_gpu_mpi_tests"
+fi
 step bench_cvmm_16k "$bin/launch/moeut-bench-cvmm" 16384
 step bench_cvmm_64k "$bin/launch/moeut-bench-cvmm" 65536
 step bench_244M_b32 "$bin/launch/moeut-bench" --config "$root/configs/244M.cfg" --batch 32

@@ -29,6 +29,14 @@ run() {  # run NAME NP EP MICRO
   fi
   grep -E "topology|model:|step +($steps|1|10)/|final|comm" "$out/$name.log" | head -12
 }
+# More ranks than the host has GPUs: refused before any work, with exit status 2.
+gpus=$(nvidia-smi -L | wc -l)
+echo "== $((gpus + 1)) ranks on $gpus GPUs must be refused"
+mpirun -np $((gpus + 1)) --oversubscribe "$bin/moeut-train" "${common[@]}" --steps 1 > "$out/too_many_ranks.log" 2>&1
+status=$?
+if [ "$status" -eq 2 ] && grep -q "GPU ranks need one GPU each" "$out/too_many_ranks.log"; then echo "   ok (refused)"
+else echo "   FAILED (status $status)"; failed=$((failed + 1)); fi
+grep -m1 "moeut-train" "$out/too_many_ranks.log"
 run np1 1 1 "$batch"
 for ep in "${eps[@]}"; do run "np2_ep$ep" 2 "$ep" $((batch / 2)); done
 python3 - "$out" "${eps[@]}" <<'PY'

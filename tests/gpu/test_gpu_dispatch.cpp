@@ -1,0 +1,125 @@
+// The GPU expert dispatcher between GPU ranks over NCCL (run under mpirun, one GPU per rank),
+// against a host computation: each receiving rank plays "experts" whose output for a row is
+// Σ_j w_j · (global expert id + 1) · row over the slots that are its own, so the sender's
+// combined result tells whether every row went to the right ranks with the right local ids and
+// weights and came back to the right token. Uniform routing, routing skewed onto rank 0's
+// experts (the other ranks receive nothing), and a rank with no tokens; the backward pass too.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "gpu_test.h"
+#include "mpi/mpi_test.h"
+#include "core/params.h"
+#include "parallel/gpu_all_to_all_dispatcher.h"
+#include "parallel/mpi_communicator.h"
+#include "parallel/nccl_communicator.h"
+
+namespace moeut {
+namespace {
+
+using namespace gpu_test;
+using cuda::DeviceBuffer;
+
+enum class Routing { kUniform, kSkewed, kRankOneEmpty };
+
+int devices() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+void check_dispatch(Routing routing) {
+  if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
+  const int ranks = world_size(), me = world_rank();
+  const int64_t E = 7, k = 3, d = 16;  // 7 experts: uneven over 2 or 4 ranks
+  const int64_t N = routing == Routing::kRankOneEmpty && me == 1 ? 0 : 50 + 13 * me;
+  const ProcessGroups host = mpi_process_groups(MPI_COMM_WORLD, ranks);
+  cudaStream_t stream;
+  MOEUT_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    const ProcessGroups device = nccl_process_groups(host, stream);
+    GpuAllToAllDispatcher dispatcher(*device.expert_parallel, E, 64, d, k, stream);
+    const ExpertShard shard0 = expert_shard(E, ranks, 0), mine = expert_shard(E, ranks, me);
+    Rng rng(uint64_t(17 + me));
+    std::vector<int32_t> index(size_t(N * k));
+    std::vector<float> weight(size_t(N * k));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < k; ++j) {
+        // Distinct experts per token; skewed routing picks only rank 0's (3 or more of them).
+        const int64_t pool = routing == Routing::kSkewed ? shard0.count : E;
+        index[n * k + j] = int32_t((n + j) % pool);
+        weight[n * k + j] = float(rng.uniform());
+      }
+    const auto x = random_bf16_values(size_t(N * d), rng, 1.0), dy = random_bf16_values(size_t(N * d), rng, 1.0);
+    const DeviceBuffer<bf16> gx(to_bf16(x)), gdy(to_bf16(dy));
+    const DeviceBuffer<int32_t> gindex(index);
+    const DeviceBuffer<float> gweight(weight);
+    const size_t M = size_t(dispatcher.max_received());
+    DeviceBuffer<bf16> recv_x(M * d), recv_dy(M * d);
+    DeviceBuffer<int32_t> recv_index(M * k);
+    DeviceBuffer<float> recv_weight(M * k);
+
+    GpuAllToAllDispatcher::Route route = dispatcher.make_route();
+    const int64_t received = dispatcher.dispatch(route, gx.get(), gindex.get(), gweight.get(), N, recv_x.get(),
+                                                 recv_index.get(), recv_weight.get());
+    if (routing == Routing::kSkewed && me != 0) {
+      EXPECT_EQ(received, 0) << "rank " << me << " holds none of the chosen experts";
+    }
+    MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    // This rank's "experts" over what it received, forward and backward.
+    dispatcher.dispatch_grad(route, gdy.get(), recv_dy.get());
+    MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto rx = to_float(recv_x.download()), rdy = to_float(recv_dy.download());
+    const auto rindex = recv_index.download();
+    const auto rweight = recv_weight.download();
+    std::vector<float> ry(M * d, 0.f), rdx(M * d, 0.f), rdw(M * k, 0.f);
+    for (int64_t m = 0; m < received; ++m)
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t local = rindex[m * k + j];
+        if (local < 0) continue;
+        ASSERT_LT(local, mine.count);
+        const float scale = float(mine.begin + local + 1);
+        float dy_sum = 0.f;
+        for (int64_t c = 0; c < d; ++c) {
+          ry[m * d + c] += rweight[m * k + j] * scale * rx[m * d + c];
+          rdx[m * d + c] += rweight[m * k + j] * scale * rdy[m * d + c];
+          dy_sum += rdy[m * d + c];
+        }
+        rdw[m * k + j] = scale * dy_sum;
+      }
+    const DeviceBuffer<float> gry(ry), grdx(rdx), grdw(rdw);
+    DeviceBuffer<float> out(std::vector<float>(size_t(N * d), 0.f)), dx(std::vector<float>(size_t(N * d), 0.f));
+    DeviceBuffer<float> dw(std::vector<float>(size_t(N * k), NAN));
+    dispatcher.combine(route, gry.get(), out.get());
+    dispatcher.combine_grad(route, grdx.get(), grdw.get(), dx.get(), dw.get());
+    MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+    std::vector<float> want_out(size_t(N * d), 0.f), want_dx(size_t(N * d), 0.f), want_dw(size_t(N * k));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < k; ++j) {
+        const float scale = float(index[n * k + j] + 1);
+        float dy_sum = 0.f;
+        for (int64_t c = 0; c < d; ++c) {
+          want_out[n * d + c] += weight[n * k + j] * scale * x[n * d + c];
+          want_dx[n * d + c] += weight[n * k + j] * scale * dy[n * d + c];
+          dy_sum += dy[n * d + c];
+        }
+        want_dw[n * k + j] = scale * dy_sum;
+      }
+    if (N > 0) {
+      EXPECT_LE(rel_error(out.download(), want_out), 1e-6) << "rank " << me << ": combined outputs";
+      EXPECT_LE(rel_error(dx.download(), want_dx), 1e-6) << "rank " << me << ": input gradients";
+      EXPECT_LE(rel_error(dw.download(), want_dw), 1e-6) << "rank " << me << ": routing-weight gradients";
+    }
+  }
+  MOEUT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(GpuDispatch, UniformRouting) { check_dispatch(Routing::kUniform); }
+TEST(GpuDispatch, EveryTokenToRankZerosExperts) { check_dispatch(Routing::kSkewed); }
+TEST(GpuDispatch, ARankWithNoTokensStillTakesPart) { check_dispatch(Routing::kRankOneEmpty); }
+
+}  // namespace
+}  // namespace moeut
