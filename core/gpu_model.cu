@@ -22,8 +22,10 @@ using cuda::check_cublas;
 }  // namespace
 
 struct GpuModel::Layer {
-  DeviceBuffer<bf16> xb, xn1, q, k, v, heads, x_midb, xn2, hidden;
-  DeviceBuffer<float> mean1, rstd1, zv, zo, wv, wo, x_mid, mean2, rstd2, z, w_ff, dz_reg_v, dz_reg_o, dz_reg_ff;
+  DeviceBuffer<bf16> xb, q, k, v, heads, x_midb, hidden;
+  // zv, zo, z: the routing logits, then (after the forward pass) the regulariser's gradient
+  // with respect to them, which is all the backward pass needs of them.
+  DeviceBuffer<float> mean1, rstd1, zv, zo, wv, wo, x_mid, mean2, rstd2, z, w_ff;
   DeviceBuffer<int32_t> iv, io, i_ff;
   cuda::CvmmPlanBuffers plan_v, plan_o, plan_ff;  // kept from the forward to the backward pass
   // Expert parallelism: where the tokens went, and the rows this rank received.
@@ -60,7 +62,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   planner_ = std::make_unique<cuda::CvmmPlanner>(std::max(M * kf, N * hk), std::max(Ef, he));
   for (Layer& L : layers_) {
     for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) *plan = planner_->make_buffers();
-    for (auto* b : {&L.xb, &L.xn1, &L.x_midb, &L.xn2}) *b = DeviceBuffer<bf16>(size_t(N * d));
+    for (auto* b : {&L.xb, &L.x_midb}) *b = DeviceBuffer<bf16>(size_t(N * d));
     for (auto* b : {&L.q, &L.k, &L.v, &L.heads}) *b = DeviceBuffer<bf16>(size_t(N * hd));
     L.hidden = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
     if (dispatcher_) {
@@ -70,15 +72,16 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
       L.recv_weight = DeviceBuffer<float>(size_t(M * kf));
     }
     for (auto* b : {&L.mean1, &L.rstd1, &L.mean2, &L.rstd2}) *b = DeviceBuffer<float>(size_t(N));
-    for (auto* b : {&L.zv, &L.zo, &L.dz_reg_v, &L.dz_reg_o}) *b = DeviceBuffer<float>(size_t(N * he));
+    for (auto* b : {&L.zv, &L.zo}) *b = DeviceBuffer<float>(size_t(N * he));
     for (auto* b : {&L.wv, &L.wo}) *b = DeviceBuffer<float>(size_t(N * hk));
     for (auto* b : {&L.iv, &L.io}) *b = DeviceBuffer<int32_t>(size_t(N * hk));
     L.x_mid = DeviceBuffer<float>(size_t(N * d));
-    for (auto* b : {&L.z, &L.dz_reg_ff}) *b = DeviceBuffer<float>(size_t(N * cfg_.ff_n_experts));
+    L.z = DeviceBuffer<float>(size_t(N * cfg_.ff_n_experts));
     L.w_ff = DeviceBuffer<float>(size_t(N * kf));
     L.i_ff = DeviceBuffer<int32_t>(size_t(N * kf));
   }
   xf_ = DeviceBuffer<bf16>(size_t(N * d));
+  xn_ = DeviceBuffer<bf16>(size_t(N * d));
   mean_f_ = DeviceBuffer<float>(size_t(N));
   rstd_f_ = DeviceBuffer<float>(size_t(N));
   row_loss_ = DeviceBuffer<float>(size_t(N));
@@ -182,19 +185,19 @@ void GpuModel::attention_forward(int64_t l) {
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
   const float* x = xs_[l].get();
   mark(Part::kOther);
-  cuda::layernorm_forward(L.xn1.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
+  cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
                           d, stream_);
   cuda::to_bf16(L.xb.get(), x, N * d, stream_);  // the value experts read the raw residual
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
-  dense(L.xn1.get(), p + "attention.q.weight", N, hd, s, L.q.get(), CUDA_R_16BF);
-  dense(L.xn1.get(), p + "attention.k.weight", N, hd, s, L.k.get(), CUDA_R_16BF);
+  dense(xn_.get(), p + "attention.q.weight", N, hd, s, L.q.get(), CUDA_R_16BF);
+  dense(xn_.get(), p + "attention.k.weight", N, hd, s, L.k.get(), CUDA_R_16BF);
   mark(Part::kAttention);
   cuda::rope_forward(L.q.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   cuda::rope_forward(L.k.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   mark(Part::kDense);
-  dense(L.xn1.get(), p + "attention.sel_v", N, H * Ea, 1.f, L.zv.get(), CUDA_R_32F);
-  dense(L.xn1.get(), p + "attention.sel_o", N, H * Ea, 1.f, L.zo.get(), CUDA_R_32F);
+  dense(xn_.get(), p + "attention.sel_v", N, H * Ea, 1.f, L.zv.get(), CUDA_R_32F);
+  dense(xn_.get(), p + "attention.sel_o", N, H * Ea, 1.f, L.zo.get(), CUDA_R_32F);
   mark(Part::kRouting);
   cuda::topk_sigmoid_forward(L.iv.get(), L.wv.get(), L.zv.get(), N, H, Ea, ka, stream_);
   cuda::topk_sigmoid_forward(L.io.get(), L.wo.get(), L.zo.get(), N, H, Ea, ka, stream_);
@@ -220,11 +223,11 @@ void GpuModel::ffn_forward(int64_t l) {
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
   mark(Part::kOther);
-  cuda::layernorm_forward(L.xn2.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
+  cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
                           wparam(p + "ln2.bias"), N, d, stream_);
   cuda::to_bf16(L.x_midb.get(), L.x_mid.get(), N * d, stream_);
   mark(Part::kDense);
-  dense(L.xn2.get(), p + "ffn.expert_sel", N, Ef, 1.f, L.z.get(), CUDA_R_32F);
+  dense(xn_.get(), p + "ffn.expert_sel", N, Ef, 1.f, L.z.get(), CUDA_R_32F);
   mark(Part::kRouting);
   cuda::topk_sigmoid_forward(L.i_ff.get(), L.w_ff.get(), L.z.get(), N, 1, Ef, kf, stream_);
   float* y = xs_[l + 1].get();
@@ -294,11 +297,9 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
     std::vector<float*> dzf, dzv, dzo;
     for (int64_t r = 0; r < R; ++r) {
       Layer& L = layers_[r * G + g];
-      for (auto* b : {&L.dz_reg_ff, &L.dz_reg_v, &L.dz_reg_o})
-        MOEUT_CUDA_CHECK(cudaMemsetAsync(b->get(), 0, b->size() * sizeof(float), stream_));
-      zf.push_back(L.z.get()); dzf.push_back(L.dz_reg_ff.get());
-      zv.push_back(L.zv.get()); dzv.push_back(L.dz_reg_v.get());
-      zo.push_back(L.zo.get()); dzo.push_back(L.dz_reg_o.get());
+      zf.push_back(L.z.get()); dzf.push_back(L.z.get());
+      zv.push_back(L.zv.get()); dzv.push_back(L.zv.get());
+      zo.push_back(L.zo.get()); dzo.push_back(L.zo.get());
     }
     mark(Part::kRouting);
     reg_ffn_->forward_backward(dzf, zf, T, weight * cfg_.entropy_reg, reg_loss_.get(), stream_);
@@ -384,7 +385,10 @@ void GpuModel::ffn_backward(int64_t l) {
                      recv_dw_.get());
     dispatcher_->combine_grad(L.route, recv_rows_.get(), recv_dw_.get(), dres_.get(), dw_.get());
   }
-  router_backward(L.dz_reg_ff.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, L.xn2.get(), p + "ffn.expert_sel", false);
+  mark(Part::kOther);  // LN2's output again, bit for bit: the same kernel on the same input
+  cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
+                          wparam(p + "ln2.bias"), N, d, stream_);
+  router_backward(L.z.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, xn_.get(), p + "ffn.expert_sel", false);
   mark(Part::kOther);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
                            wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_);
@@ -413,6 +417,9 @@ void GpuModel::attention_backward(int64_t l) {
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
   mark(Part::kOther);
   cuda::to_bf16(dresb_.get(), dres_.get(), N * d, stream_);
+  // LN1's output again, bit for bit, for the dense products' weight gradients.
+  cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), xs_[l].get(), wparam(p + "ln1.weight"),
+                          wparam(p + "ln1.bias"), N, d, stream_);
   // Output experts: head gradients (ka selections per head row: accumulated in fp32).
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dheads_f32_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
@@ -421,7 +428,7 @@ void GpuModel::attention_backward(int64_t l) {
                                          dw_.get(), L.heads.get(), d, dh, true, true}, stream_);
   cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
                                             d, H * Ea}, stream_);
-  router_backward(L.dz_reg_o.get(), L.io.get(), L.wo.get(), H, Ea, ka, L.xn1.get(), p + "attention.sel_o", false);
+  router_backward(L.zo.get(), L.io.get(), L.wo.get(), H, Ea, ka, xn_.get(), p + "attention.sel_o", false);
   mark(Part::kOther);
   cuda::to_bf16(dheads_.get(), dheads_f32_.get(), N * hd, stream_);
   mark(Part::kAttention);
@@ -433,14 +440,14 @@ void GpuModel::attention_backward(int64_t l) {
                                          L.xb.get(), dh, d, true, true}, stream_);
   cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
                                             H * Ea}, stream_);
-  router_backward(L.dz_reg_v.get(), L.iv.get(), L.wv.get(), H, Ea, ka, L.xn1.get(), p + "attention.sel_v", true);
+  router_backward(L.zv.get(), L.iv.get(), L.wv.get(), H, Ea, ka, xn_.get(), p + "attention.sel_v", true);
   mark(Part::kAttention);
   cuda::rope_backward(dq_.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   cuda::rope_backward(dk_.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
-  dense_backward(dq_.get(), L.xn1.get(), p + "attention.q.weight", N, hd, s, dxn_.get(), true);
-  dense_backward(dk_.get(), L.xn1.get(), p + "attention.k.weight", N, hd, s, dxn_.get(), true);
+  dense_backward(dq_.get(), xn_.get(), p + "attention.q.weight", N, hd, s, dxn_.get(), true);
+  dense_backward(dk_.get(), xn_.get(), p + "attention.k.weight", N, hd, s, dxn_.get(), true);
   mark(Part::kOther);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
                            wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_);

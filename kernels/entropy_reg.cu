@@ -51,7 +51,8 @@ __global__ void entropy_terms(float* mean, double* loss, int rows, int E, double
   if (lane == 0) atomicAdd(loss, scale * double(h));
 }
 
-// dz[s, e] += scale · p[s, e] · (c[e] − Σ_e' p[s, e'] c[e']); one warp per position.
+// dz[s, e] = scale · p[s, e] · (c[e] − Σ_e' p[s, e'] c[e']); one warp per position. dz may be z:
+// each lane reads its logits for the sums before it overwrites them.
 __global__ void entropy_grad(float* dz, const float* z, const float* c, int64_t positions, int T, int groups, int E,
                              float scale) {
   const int64_t pos = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;  // (b, t, g)
@@ -65,7 +66,7 @@ __global__ void entropy_grad(float* dz, const float* z, const float* c, int64_t 
   float dot = 0.f;
   for (int e = lane; e < E; e += 32) dot += __expf(zp[e] - lse) * cp[e];
   for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-  for (int e = lane; e < E; e += 32) dz[pos * E + e] += scale * __expf(zp[e] - lse) * (cp[e] - dot);
+  for (int e = lane; e < E; e += 32) dz[pos * E + e] = scale * __expf(zp[e] - lse) * (cp[e] - dot);
 }
 
 }  // namespace
