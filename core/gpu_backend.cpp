@@ -39,10 +39,10 @@ void select_local_gpu(const ProcessGroups& groups) {
 class GpuBackend final : public TrainingBackend {
  public:
   GpuBackend(const Config& c, const ProcessGroups& host_groups)
-      : micro_(c.train.micro_batch_size),
-        stream_(create_stream(host_groups)),
-        groups_(nccl_process_groups(host_groups, stream_)),
-        model_(c.model, micro_, groups_.expert_parallel.get(), stream_) {
+      : stream_(host_groups),
+        micro_(c.train.micro_batch_size),
+        groups_(nccl_process_groups(host_groups, stream_.get())),
+        model_(c.model, micro_, groups_.expert_parallel.get(), stream_.get()) {
     // The spec's initialisation of every parameter, drawn on the host as the CPU path draws it
     // (every rank alike); this rank keeps its expert shard.
     Model<float> init(c.model);
@@ -56,10 +56,7 @@ class GpuBackend final : public TrainingBackend {
       std::copy_n(init.params.data() + g.offset + skip, t.numel, mine.data() + t.offset);
     }
     model_.set_parameters(mine);
-    optimizer_ = std::make_unique<GpuShardedAdamW>(model_.layout(), groups_, mine, stream_);
-  }
-  ~GpuBackend() override {
-    if (stream_) cudaStreamDestroy(stream_);
+    optimizer_ = std::make_unique<GpuShardedAdamW>(model_.layout(), groups_, mine, stream_.get());
   }
   const char* device() const override { return "cuda"; }
   const ParamLayout& layout() const override { return model_.layout(); }
@@ -94,16 +91,25 @@ class GpuBackend final : public TrainingBackend {
   }
 
  private:
-  // The device is chosen before anything touches it.
-  static cudaStream_t create_stream(const ProcessGroups& host_groups) {
-    select_local_gpu(host_groups);
-    cudaStream_t s = nullptr;
-    MOEUT_CUDA_CHECK(cudaStreamCreate(&s));
-    return s;
-  }
+  // The rank's GPU, chosen before anything touches it, and the stream all its work runs on;
+  // declared first, so it outlives the communicators, model and optimizer that use it.
+  class Stream {
+   public:
+    explicit Stream(const ProcessGroups& host_groups) {
+      select_local_gpu(host_groups);
+      MOEUT_CUDA_CHECK(cudaStreamCreate(&stream_));
+    }
+    ~Stream() { cudaStreamDestroy(stream_); }
+    Stream(const Stream&) = delete;
+    Stream& operator=(const Stream&) = delete;
+    cudaStream_t get() const { return stream_; }
 
+   private:
+    cudaStream_t stream_ = nullptr;
+  };
+
+  Stream stream_;
   int64_t micro_;
-  cudaStream_t stream_;
   ProcessGroups groups_;  // device communicators, ordered on stream_
   GpuModel model_;
   std::unique_ptr<GpuShardedAdamW> optimizer_;

@@ -1,5 +1,6 @@
 #include "parallel/gpu_sharded_optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -84,14 +85,20 @@ void GpuShardedAdamW::gather_working(__nv_bfloat16* working) {
 }
 
 std::vector<float> GpuShardedAdamW::parameters() {
-  cuda::DeviceBuffer<float> all(static_cast<size_t>(total_));
+  // One bucket at a time through a bucket-sized buffer: no second full copy on the device.
+  std::vector<float> all(static_cast<size_t>(total_));
+  int64_t largest = 0;
+  for (const ZeroBucket& b : partition_.buckets()) largest = std::max(largest, b.length);
+  cuda::DeviceBuffer<float> bucket(static_cast<size_t>(largest));
   for (const ZeroBucket& b : partition_.buckets()) {
-    MOEUT_CUDA_CHECK(cudaMemcpyAsync(all.get() + b.offset + b.mine_offset, master_.get() + b.state_offset,
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(bucket.get() + b.mine_offset, master_.get() + b.state_offset,
                                      size_t(b.mine) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-    comm(b).all_gather_v(std::span<float>(all.get() + b.offset, size_t(b.length)), b.chunks);
+    comm(b).all_gather_v(std::span<float>(bucket.get(), size_t(b.length)), b.chunks);
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(all.data() + b.offset, bucket.get(), size_t(b.length) * sizeof(float),
+                                     cudaMemcpyDeviceToHost, stream_));
+    MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return all.download();
+  return all;
 }
 
 }  // namespace moeut
