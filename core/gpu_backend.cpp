@@ -43,20 +43,12 @@ class GpuBackend final : public TrainingBackend {
         micro_(c.train.micro_batch_size),
         groups_(nccl_process_groups(host_groups, stream_.get())),
         model_(c.model, micro_, groups_.expert_parallel.get(), stream_.get()) {
-    // The spec's initialisation of every parameter, drawn on the host as the CPU path draws it
-    // (every rank alike); this rank keeps its expert shard.
-    Model<float> init(c.model);
+    // The spec's initialisation, drawn on the host as the CPU path draws it: each expert from
+    // its own stream, so this rank's shard equals its slice of a one-process model.
+    Model<float> init(c.model, model_.layout().shard());
     init.init(c.train.seed);
-    std::vector<float> mine(size_t(model_.layout().total()));
-    const ParamLayout full(c.model);
-    const ExpertShard& shard = model_.layout().shard();
-    for (const TensorSpec& t : model_.layout().tensors()) {
-      const TensorSpec& g = full.at(t.name);
-      const int64_t skip = t.expert ? shard.begin * (g.numel / c.model.ff_n_experts) : 0;
-      std::copy_n(init.params.data() + g.offset + skip, t.numel, mine.data() + t.offset);
-    }
-    model_.set_parameters(mine);
-    optimizer_ = std::make_unique<GpuShardedAdamW>(model_.layout(), groups_, mine, stream_.get());
+    model_.set_parameters(init.params);
+    optimizer_ = std::make_unique<GpuShardedAdamW>(model_.layout(), groups_, init.params, stream_.get());
   }
   const char* device() const override { return "cuda"; }
   const ParamLayout& layout() const override { return model_.layout(); }

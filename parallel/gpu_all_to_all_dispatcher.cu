@@ -80,8 +80,6 @@ __global__ void gather_back(float* out, float* slots_out, const float* rows, con
   }
 }
 
-std::vector<int64_t> times(const std::vector<int64_t>& rows, int64_t width) { return scaled_counts(rows, width); }
-
 }  // namespace
 
 GpuAllToAllDispatcher::GpuAllToAllDispatcher(Communicator& expert_parallel, int64_t n_experts, int64_t max_tokens,
@@ -146,16 +144,16 @@ int64_t GpuAllToAllDispatcher::dispatch(Route& route, const bf16* x, const int32
   route.sent.assign(counts.begin(), counts.end());
   route.received = comm_.all_to_all(route.sent);
   route.received_rows = std::accumulate(route.received.begin(), route.received.end(), int64_t(0));
-  comm_.all_to_all_v(reinterpret_cast<const uint16_t*>(send_x_.get()), times(route.sent, d_),
-                     reinterpret_cast<uint16_t*>(recv_x), times(route.received, d_));
-  comm_.all_to_all_v(send_index_.get(), times(route.sent, k_), recv_index, times(route.received, k_));
-  comm_.all_to_all_v(send_weight_.get(), times(route.sent, k_), recv_weight, times(route.received, k_));
+  comm_.all_to_all_v(reinterpret_cast<const uint16_t*>(send_x_.get()), scaled_counts(route.sent, d_),
+                     reinterpret_cast<uint16_t*>(recv_x), scaled_counts(route.received, d_));
+  comm_.all_to_all_v(send_index_.get(), scaled_counts(route.sent, k_), recv_index, scaled_counts(route.received, k_));
+  comm_.all_to_all_v(send_weight_.get(), scaled_counts(route.sent, k_), recv_weight, scaled_counts(route.received, k_));
   count(d_ * int64_t(sizeof(bf16)) + k_ * int64_t(sizeof(int32_t) + sizeof(float)), route.sent);
   return route.received_rows;
 }
 
 void GpuAllToAllDispatcher::combine(const Route& route, const float* recv_y, float* out) {
-  comm_.all_to_all_v(recv_y, times(route.received, d_), back_rows_.get(), times(route.sent, d_));
+  comm_.all_to_all_v(recv_y, scaled_counts(route.received, d_), back_rows_.get(), scaled_counts(route.sent, d_));
   count(d_ * int64_t(sizeof(float)), route.received);
   if (route.tokens == 0) return;
   gather_back<<<unsigned(route.tokens), 128, 0, stream_>>>(out, nullptr, back_rows_.get(), nullptr,
@@ -171,15 +169,15 @@ void GpuAllToAllDispatcher::dispatch_grad(const Route& route, const bf16* dy, bf
                                           int(d_), int(k_), int(n_experts_), ranks_);
     MOEUT_CUDA_CHECK(cudaGetLastError());
   }
-  comm_.all_to_all_v(reinterpret_cast<const uint16_t*>(send_x_.get()), times(route.sent, d_),
-                     reinterpret_cast<uint16_t*>(recv_dy), times(route.received, d_));
+  comm_.all_to_all_v(reinterpret_cast<const uint16_t*>(send_x_.get()), scaled_counts(route.sent, d_),
+                     reinterpret_cast<uint16_t*>(recv_dy), scaled_counts(route.received, d_));
   count(d_ * int64_t(sizeof(bf16)), route.sent);
 }
 
 void GpuAllToAllDispatcher::combine_grad(const Route& route, const float* recv_dx, const float* recv_dw, float* dx,
                                          float* dw) {
-  comm_.all_to_all_v(recv_dx, times(route.received, d_), back_rows_.get(), times(route.sent, d_));
-  comm_.all_to_all_v(recv_dw, times(route.received, k_), back_weight_.get(), times(route.sent, k_));
+  comm_.all_to_all_v(recv_dx, scaled_counts(route.received, d_), back_rows_.get(), scaled_counts(route.sent, d_));
+  comm_.all_to_all_v(recv_dw, scaled_counts(route.received, k_), back_weight_.get(), scaled_counts(route.sent, k_));
   count((d_ + k_) * int64_t(sizeof(float)), route.received);
   if (route.tokens == 0) return;
   gather_back<<<unsigned(route.tokens), 128, 0, stream_>>>(dx, dw, back_rows_.get(), back_weight_.get(),

@@ -68,5 +68,27 @@ TEST(Model, AShardWithoutADispatcherIsRefusedClearly) {
   }
 }
 
+// The GPU backend initialises each rank's shard on its own and relies on this: a shard's
+// initial values are exactly its slice of a one-process model (each expert has its own stream).
+TEST(Model, AShardIsInitialisedAsItsSliceOfTheWholeModel) {
+  const ModelConfig cfg = tiny_grad_config();
+  Model<float> whole(cfg);
+  whole.init(7);
+  const ParamLayout full(cfg);
+  for (int64_t r = 0; r < 3; ++r) {  // 5 experts over 3 ranks: 2, 2, 1
+    const ExpertShard shard = expert_shard(cfg.ff_n_experts, 3, r);
+    Model<float> part(cfg, shard);
+    part.init(7);
+    for (const TensorSpec& t : part.layout().tensors()) {
+      const TensorSpec& g = full.at(t.name);
+      const int64_t skip = t.expert ? shard.begin * (g.numel / cfg.ff_n_experts) : 0;
+      const std::vector<float> want(whole.params.begin() + g.offset + skip,
+                                    whole.params.begin() + g.offset + skip + t.numel);
+      const std::vector<float> got(part.params.begin() + t.offset, part.params.begin() + t.offset + t.numel);
+      EXPECT_EQ(got, want) << t.name << " on rank " << r;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moeut

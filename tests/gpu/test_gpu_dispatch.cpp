@@ -29,6 +29,30 @@ int devices() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
+// The test's "experts" over `rows` rows x / dy of width d with k slots each (global expert ids,
+// -1 for a slot that is not computed here): outputs Σ_j w_j·(e_j + 1)·x, input gradients
+// Σ_j w_j·(e_j + 1)·dy, routing-weight gradients (e_j + 1)·Σ dy.
+struct Played {
+  std::vector<float> y, dx, dw;
+};
+Played play_experts(int64_t rows, int64_t d, int64_t k, const std::vector<int32_t>& experts,
+                    const std::vector<float>& weight, const std::vector<float>& x, const std::vector<float>& dy) {
+  Played p{std::vector<float>(x.size(), 0.f), std::vector<float>(x.size(), 0.f), std::vector<float>(weight.size(), 0.f)};
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < k; ++j) {
+      if (experts[m * k + j] < 0) continue;
+      const float scale = float(experts[m * k + j] + 1), w = weight[m * k + j];
+      float dy_sum = 0.f;
+      for (int64_t c = 0; c < d; ++c) {
+        p.y[m * d + c] += w * scale * x[m * d + c];
+        p.dx[m * d + c] += w * scale * dy[m * d + c];
+        dy_sum += dy[m * d + c];
+      }
+      p.dw[m * k + j] = scale * dy_sum;
+    }
+  return p;
+}
+
 void check_dispatch(Routing routing) {
   if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
@@ -72,46 +96,25 @@ void check_dispatch(Routing routing) {
     dispatcher.dispatch_grad(route, gdy.get(), recv_dy.get());
     MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
     const auto rx = to_float(recv_x.download()), rdy = to_float(recv_dy.download());
-    const auto rindex = recv_index.download();
-    const auto rweight = recv_weight.download();
-    std::vector<float> ry(M * d, 0.f), rdx(M * d, 0.f), rdw(M * k, 0.f);
-    for (int64_t m = 0; m < received; ++m)
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t local = rindex[m * k + j];
-        if (local < 0) continue;
-        ASSERT_LT(local, mine.count);
-        const float scale = float(mine.begin + local + 1);
-        float dy_sum = 0.f;
-        for (int64_t c = 0; c < d; ++c) {
-          ry[m * d + c] += rweight[m * k + j] * scale * rx[m * d + c];
-          rdx[m * d + c] += rweight[m * k + j] * scale * rdy[m * d + c];
-          dy_sum += rdy[m * d + c];
-        }
-        rdw[m * k + j] = scale * dy_sum;
-      }
-    const DeviceBuffer<float> gry(ry), grdx(rdx), grdw(rdw);
+    std::vector<int32_t> rexperts = recv_index.download();  // local ids, then global ones
+    for (int64_t i = 0; i < received * k; ++i) {
+      if (rexperts[i] < 0) continue;
+      ASSERT_LT(rexperts[i], mine.count);
+      rexperts[i] += int32_t(mine.begin);
+    }
+    const Played here = play_experts(received, d, k, rexperts, recv_weight.download(), rx, rdy);
+    const DeviceBuffer<float> gry(here.y), grdx(here.dx), grdw(here.dw);
     DeviceBuffer<float> out(std::vector<float>(size_t(N * d), 0.f)), dx(std::vector<float>(size_t(N * d), 0.f));
     DeviceBuffer<float> dw(std::vector<float>(size_t(N * k), NAN));
     dispatcher.combine(route, gry.get(), out.get());
     dispatcher.combine_grad(route, grdx.get(), grdw.get(), dx.get(), dw.get());
     MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
 
-    std::vector<float> want_out(size_t(N * d), 0.f), want_dx(size_t(N * d), 0.f), want_dw(size_t(N * k));
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t j = 0; j < k; ++j) {
-        const float scale = float(index[n * k + j] + 1);
-        float dy_sum = 0.f;
-        for (int64_t c = 0; c < d; ++c) {
-          want_out[n * d + c] += weight[n * k + j] * scale * x[n * d + c];
-          want_dx[n * d + c] += weight[n * k + j] * scale * dy[n * d + c];
-          dy_sum += dy[n * d + c];
-        }
-        want_dw[n * k + j] = scale * dy_sum;
-      }
+    const Played want = play_experts(N, d, k, index, weight, x, dy);
     if (N > 0) {
-      EXPECT_LE(rel_error(out.download(), want_out), 1e-6) << "rank " << me << ": combined outputs";
-      EXPECT_LE(rel_error(dx.download(), want_dx), 1e-6) << "rank " << me << ": input gradients";
-      EXPECT_LE(rel_error(dw.download(), want_dw), 1e-6) << "rank " << me << ": routing-weight gradients";
+      EXPECT_LE(rel_error(out.download(), want.y), 1e-6) << "rank " << me << ": combined outputs";
+      EXPECT_LE(rel_error(dx.download(), want.dx), 1e-6) << "rank " << me << ": input gradients";
+      EXPECT_LE(rel_error(dw.download(), want.dw), 1e-6) << "rank " << me << ": routing-weight gradients";
     }
   }
   MOEUT_CUDA_CHECK(cudaStreamDestroy(stream));
