@@ -1,7 +1,8 @@
-// cvmm on the GPU: see cvmm_cuda.h. Tensor-core (WMMA, bf16 -> fp32) tiles over the selections
-// of one expert; row gathers happen in the tile loads, weights and scatters in the epilogue.
+// cvmm on the GPU: see cvmm_cuda.h. Hopper tensor-core tiles (wgmma, bf16 -> fp32) over the
+// selections of one expert; row gathers happen in the tile loads, weights and scatters in the
+// epilogue (row products) or in shared memory (weight gradients).
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
-#include <mma.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -13,14 +14,12 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/cvmm_cuda.h"
+#include "kernels/wgmma.cuh"
 
 namespace moeut::cuda {
 namespace {
 
-using namespace nvcuda;
 using bf16 = __nv_bfloat16;
-
-constexpr int BM = kCvmmTileRows, BN = 128, BK = 32, kThreads = 128;
 
 __host__ __device__ inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -30,35 +29,72 @@ __host__ __device__ inline int64_t min64(int64_t a, int64_t b) { return a < b ? 
 __host__ __device__ inline bool vectorizable(const void* base, int64_t width) {
   return width % 8 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
 }
-constexpr int kPadA = 8, kPadC = 4;  // keeps rows 16 bytes apart in banks; ldm multiples for WMMA
+constexpr int kPadC = 4;  // fp32 epilogue rows 16 bytes apart in banks
 
-__device__ inline void cp_async16(void* smem, const void* gmem) {
+// 16-byte asynchronous copy; src_bytes 0 writes zeros without reading (rows past a tile's end).
+__device__ inline void cp_async16(void* smem, const void* gmem, int src_bytes = 16) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_bytes));
 }
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Copies 8 consecutive bf16 from src (valid: how many of them exist) into dst; 16-byte
-// asynchronous copy when whole and aligned, element by element with zero fill otherwise.
+// asynchronous copy when whole and aligned (zeros when none is valid), element by element with
+// zero fill otherwise.
 __device__ inline void load8(bf16* dst, const bf16* src, int valid, bool aligned) {
-  if (valid >= 8 && aligned) {
-    cp_async16(dst, src);
+  if (valid <= 0 || (valid >= 8 && aligned)) {
+    cp_async16(dst, src, valid > 0 ? 16 : 0);
   } else {
     for (int i = 0; i < 8; ++i) dst[i] = i < valid ? src[i] : __float2bfloat16(0.f);
   }
 }
 
-// One block: 64 selections of one expert x 128 output columns. 4 warps, each 32 x 64.
-template <bool kTransW>
-__global__ void __launch_bounds__(kThreads) cvmm_rows_kernel(CvmmPlan plan, CvmmRowsArgs a) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int a_stride = BK + kPadA;
-  constexpr int b_rows = kTransW ? BN : BK, b_stride = kTransW ? BK + kPadA : BN + kPadA;
-  bf16* As = reinterpret_cast<bf16*>(smem);                  // [2][BM][a_stride]
-  bf16* Bs = As + 2 * BM * a_stride;                          // [2][b_rows][b_stride]
-  float* Cs = reinterpret_cast<float*>(smem);                 // [BM][BN + kPadC], after the loop
+// The main loop shared by the kernels below: `steps` steps through a cp.async pipeline of kStages
+// shared-memory stages, copies issued kStages - 1 steps ahead. load(stage, step) issues a step's
+// copies; landed(stage, step) runs in each thread on its own copies once they have landed;
+// mma(stage) issues the warpgroup's products and commits them. Each step waits for its products
+// before the next begins, so a stage is refilled only after a barrier that every thread reaches
+// with its products done. (Leaving one group of products running needs a fourth stage, which
+// costs the second block per SM: measured slower, see docs/PERFORMANCE.md.)
+template <int kStages, class Load, class Landed, class Mma>
+__device__ __forceinline__ void pipeline(int steps, Load load, Landed landed, Mma mma) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) load(s, s);
+    cp_async_commit();
+  }
+  for (int t = 0; t < steps; ++t) {
+    cp_async_wait<kStages - 2>();
+    landed(t % kStages, t);
+    wgmma::fence_shared_for_async();
+    __syncthreads();
+    mma(t % kStages);
+    if (t + kStages - 1 < steps) load((t + kStages - 1) % kStages, t + kStages - 1);
+    cp_async_commit();
+    wgmma::wait<0>();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
+// cvmm_rows: one block computes 128 selections of one expert x 128 output columns with two
+// warpgroups (wgmma m64n128k16, 64 rows each), K taken 64 at a time through a cp.async pipeline
+// of kStages 128-byte-swizzled stages. A (gathered rows) is K-major; B is K-major when W_e is
+// stored [N][K] (kTransW) and MN-major when stored [K][N]. The epilogue goes through shared
+// memory in fp32: weight, then store bf16 rows or scatter-add fp32 rows.
+constexpr int BM = kCvmmTileRows, BN = 128, BK = 64, kRowsThreads = 256;
+constexpr int kStageBytes = (BM + BN) * BK * 2, kCStride = BN + kPadC;
+constexpr size_t rows_smem_bytes(int stages) {
+  return 1024 + std::max<size_t>(size_t(stages) * kStageBytes, sizeof(float) * BM * kCStride);  // +1024: alignment
+}
+
+template <bool kTransW, int kStages>
+__global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, CvmmRowsArgs a) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  float* Cs = reinterpret_cast<float*>(smem);  // [BM][kCStride], after the loop
   __shared__ int32_t s_in[BM], s_out[BM], s_sel[BM];
 
   if (int(blockIdx.x) >= *plan.live_tiles) return;  // past this plan's tiles (see CvmmPlan)
@@ -66,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) cvmm_rows_kernel(CvmmPlan plan, Cvmm
   const int e = plan.tile_expert[tile], first = plan.tile_first[tile];
   const int rows = int(min64(BM, plan.expert_begin[e + 1] - first));
   const int64_t K = a.K, N = a.N;
-  for (int r = threadIdx.x; r < BM; r += kThreads) {
+  for (int r = threadIdx.x; r < BM; r += kRowsThreads) {
     const int s = r < rows ? plan.by_expert[first + r] : -1;
     s_sel[r] = s;
     s_in[r] = s >= 0 ? plan.in_row[s] : -1;
@@ -76,73 +112,52 @@ __global__ void __launch_bounds__(kThreads) cvmm_rows_kernel(CvmmPlan plan, Cvmm
   const bf16* We = a.W + int64_t(e) * K * N;
   const bool x_aligned = vectorizable(a.X, K), w_aligned = vectorizable(We, kTransW ? K : N);
 
-  auto load_tiles = [&](int buf, int64_t k0) {
-    bf16* as = As + buf * BM * a_stride;
-    for (int c = threadIdx.x; c < BM * BK / 8; c += kThreads) {  // A: gathered rows
-      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
-      const int valid = s_in[r] < 0 ? 0 : int(min64(8, K - (k0 + kc)));
-      load8(as + r * a_stride + kc, a.X + int64_t(max(s_in[r], 0)) * K + k0 + kc, valid, x_aligned);
+  auto load_stage = [&](int stage, int64_t k0) {
+    unsigned char* as = smem + stage * kStageBytes;
+    unsigned char* bs = as + BM * BK * 2;
+    for (int c = threadIdx.x; c < BM * BK / 8; c += kRowsThreads) {  // A: gathered rows, K-major
+      const int r = c / (BK / 8), kc = c % (BK / 8);
+      const int valid = s_in[r] < 0 ? 0 : int(min64(8, K - (k0 + kc * 8)));
+      load8(reinterpret_cast<bf16*>(as + wgmma::swizzled_chunk(r, kc)), a.X + int64_t(max(s_in[r], 0)) * K + k0 + kc * 8,
+            valid, x_aligned);
     }
-    bf16* bs = Bs + buf * b_rows * b_stride;
-    if constexpr (!kTransW) {  // B[k][n] = W_e[k0 + k][n0 + n]
-      for (int c = threadIdx.x; c < BK * BN / 8; c += kThreads) {
-        const int k = c / (BN / 8), nc = (c % (BN / 8)) * 8;
-        const int valid = k0 + k < K ? int(min64(8, N - (n0 + nc))) : 0;
-        load8(bs + k * b_stride + nc, We + (k0 + k) * N + n0 + nc, valid, w_aligned);
+    if constexpr (kTransW) {  // W_e [N][K]: rows n, one slab of 64 k
+      for (int c = threadIdx.x; c < BN * BK / 8; c += kRowsThreads) {
+        const int n = c / (BK / 8), kc = c % (BK / 8);
+        const int valid = n0 + n < N ? int(min64(8, K - (k0 + kc * 8))) : 0;
+        load8(reinterpret_cast<bf16*>(bs + wgmma::swizzled_chunk(n, kc)), We + (n0 + n) * K + k0 + kc * 8, valid, w_aligned);
       }
-    } else {  // stored [n][k]: W_e is [N, K]
-      for (int c = threadIdx.x; c < BN * BK / 8; c += kThreads) {
-        const int n = c / (BK / 8), kc = (c % (BK / 8)) * 8;
-        const int valid = n0 + n < N ? int(min64(8, K - (k0 + kc))) : 0;
-        load8(bs + n * b_stride + kc, We + (n0 + n) * K + k0 + kc, valid, w_aligned);
+    } else {  // W_e [K][N]: rows k, two slabs of 64 n
+      for (int c = threadIdx.x; c < BK * BN / 8; c += kRowsThreads) {
+        const int k = c / (BN / 8), nc = c % (BN / 8);
+        const int valid = k0 + k < K ? int(min64(8, N - (n0 + nc * 8))) : 0;
+        load8(reinterpret_cast<bf16*>(bs + (nc / 8) * (BK * 128) + wgmma::swizzled_chunk(k, nc % 8)),
+              We + (k0 + k) * N + n0 + nc * 8, valid, w_aligned);
       }
     }
-    cp_async_commit();
   };
 
-  const int warp = threadIdx.x / 32, wm = (warp / 2) * 32, wn = (warp % 2) * 64;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][4];
-  for (auto& row : acc)
-    for (auto& f : row) wmma::fill_fragment(f, 0.f);
-  using BLayout = std::conditional_t<kTransW, wmma::col_major, wmma::row_major>;
-
-  const int64_t k_tiles = (K + BK - 1) / BK;
-  load_tiles(0, 0);
-  for (int64_t kt = 0; kt < k_tiles; ++kt) {
-    if (kt + 1 < k_tiles) {
-      load_tiles(int((kt + 1) & 1), (kt + 1) * BK);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const bf16* as = As + (kt & 1) * BM * a_stride;
-    const bf16* bs = Bs + (kt & 1) * b_rows * b_stride;
+  const int wg = threadIdx.x / 128;
+  const bool wg_live = wg * 64 < rows;  // a warpgroup whose 64 rows are all past the tile's end idles
+  float acc[64];
 #pragma unroll
-    for (int kk = 0; kk < BK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa[2];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, BLayout> fb[4];
+  for (auto& v : acc) v = 0.f;
+  pipeline<kStages>(
+      int((K + BK - 1) / BK), [&](int stage, int kt) { load_stage(stage, int64_t(kt) * BK); }, [](int, int) {},
+      [&](int stage) {
+        if (!wg_live) return;
+        const unsigned char* as = smem + stage * kStageBytes;
+        const uint32_t a_addr = wgmma::smem_address(as + wg * 64 * 128), b_addr = wgmma::smem_address(as + BM * BK * 2);
+        wgmma::fence();
 #pragma unroll
-      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], as + (wm + 16 * i) * a_stride + kk, a_stride);
+        for (int k16 = 0; k16 < BK / 16; ++k16) {
+          const uint64_t b = kTransW ? wgmma::k_major(b_addr, k16) : wgmma::mn_major(b_addr, BK * 128, k16);
+          wgmma::mma_m64n128k16<0, kTransW ? 0 : 1>(acc, wgmma::k_major(a_addr, k16), b, true);
+        }
+        wgmma::commit();
+      });
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const bf16* p = kTransW ? bs + (wn + 16 * j) * b_stride + kk : bs + kk * b_stride + wn + 16 * j;
-        wmma::load_matrix_sync(fb[j], p, b_stride);
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-
-  constexpr int c_stride = BN + kPadC;
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      wmma::store_matrix_sync(Cs + (wm + 16 * i) * c_stride + wn + 16 * j, acc[i][j], c_stride, wmma::mem_row_major);
+  for (int j = 0; j < 64; ++j) Cs[(wg * 64 + wgmma::acc_row(j)) * kCStride + wgmma::acc_col(j)] = acc[j];
   __syncthreads();
 
   const int n_valid = int(min64(BN, N - n0));
@@ -151,125 +166,130 @@ __global__ void __launch_bounds__(kThreads) cvmm_rows_kernel(CvmmPlan plan, Cvmm
     float sum = 0.f;
     if (s_sel[r] >= 0)
       for (int n = half * 64; n < min(n_valid, half * 64 + 64); ++n)
-        sum += Cs[r * c_stride + n] * __bfloat162float(a.dot_rows[int64_t(s_out[r]) * N + n0 + n]);
+        sum += Cs[r * kCStride + n] * __bfloat162float(a.dot_rows[int64_t(s_out[r]) * N + n0 + n]);
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     if (half == 0 && s_sel[r] >= 0) atomicAdd(a.dweight + s_sel[r], sum);
   }
   if (a.accumulate && N % 4 == 0 && n_valid % 4 == 0 && reinterpret_cast<uintptr_t>(a.out_f32) % 16 == 0) {
     // Scatter: 32 threads per row, 4 columns each, one 16-byte vector atomic per thread.
-    for (int r = threadIdx.x / 32; r < rows; r += kThreads / 32) {
+    for (int r = threadIdx.x / 32; r < rows; r += kRowsThreads / 32) {
       const float w = a.weight ? a.weight[s_sel[r]] : 1.f;
       float* base = a.out_f32 + int64_t(s_out[r]) * N + n0;
       for (int n = (threadIdx.x % 32) * 4; n < n_valid; n += 128) {
-        const float* c = Cs + r * c_stride + n;
+        const float* c = Cs + r * kCStride + n;
         atomicAdd(reinterpret_cast<float4*>(base + n), make_float4(w * c[0], w * c[1], w * c[2], w * c[3]));
       }
+    }
+    return;
+  }
+  if (!a.accumulate && n_valid == BN && vectorizable(a.out, N)) {
+    // Rows of bf16: 16 threads per row, 8 columns (one 16-byte store) each.
+    for (int i = threadIdx.x; i < rows * (BN / 8); i += kRowsThreads) {
+      const int r = i / (BN / 8), n = (i % (BN / 8)) * 8;
+      const float w = a.weight ? a.weight[s_sel[r]] : 1.f;
+      alignas(16) bf16 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16(w * Cs[r * kCStride + n + j]);
+      *reinterpret_cast<uint4*>(a.out + int64_t(s_out[r]) * N + n0 + n) = *reinterpret_cast<const uint4*>(v);
     }
     return;
   }
   for (int r = 0; r < rows; ++r) {  // one row at a time: consecutive threads, consecutive columns
     const float w = a.weight ? a.weight[s_sel[r]] : 1.f;
     const int64_t base = int64_t(s_out[r]) * N + n0;
-    for (int n = threadIdx.x; n < n_valid; n += kThreads) {
-      const float v = w * Cs[r * c_stride + n];
+    for (int n = threadIdx.x; n < n_valid; n += kRowsThreads) {
+      const float v = w * Cs[r * kCStride + n];
       if (a.accumulate) atomicAdd(a.out_f32 + base + n, v);
       else a.out[base + n] = __float2bfloat16(v);
     }
   }
 }
 
-// dW_e[k0.., n0..] += Σ_s A[a_row(s)][k]·w_s·B[b_row(s)][n]: tile 64 (K) x 128 (N) per block,
-// selections taken 32 at a time through a two-stage cp.async pipeline; the routing weight
-// scales the (smaller) A chunk in shared memory once it has landed.
-constexpr int WK = 64, WS = 32;
-__global__ void __launch_bounds__(kThreads) cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int at_stride = WK + kPadA, bt_stride = BN + kPadA, ct_stride = BN + kPadC;
-  bf16* At = reinterpret_cast<bf16*>(smem);   // [2][WS][at_stride]: rows selections, cols k
-  bf16* Bt = At + 2 * WS * at_stride;          // [2][WS][bt_stride]: rows selections, cols n
-  float* Ct = reinterpret_cast<float*>(smem);  // [WK][ct_stride], after the loop
+// dW_e[k0.., n0..] += Σ_s A[a_row(s)][k]·w_s·B[b_row(s)][n]: a 128 (K) x 128 (N) tile per block,
+// two warpgroups of 64 K-rows each (wgmma m64n128k16, both operands MN-major: selections are the
+// reduction), selections taken 64 at a time through the pipeline. Each thread scales the A
+// chunks it copied by their routing weights once they land, so weighting costs no barrier.
+constexpr int WM = 128, WN = 128, WS = 64;
+static_assert((WM + WN) * WS * 2 == kStageBytes, "weight-gradient stages share the row products' size");
+
+template <int kStages>
+__global__ void __launch_bounds__(kRowsThreads) cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int64_t K = a.K, N = a.N;
-  const int64_t n_tiles_n = (N + BN - 1) / BN;
-  const int64_t k0 = (blockIdx.x / n_tiles_n) * WK, n0 = (blockIdx.x % n_tiles_n) * BN;
+  const int64_t n_tiles_n = (N + WN - 1) / WN;
+  const int64_t k0 = (blockIdx.x / n_tiles_n) * WM, n0 = (blockIdx.x % n_tiles_n) * WN;
   const int e = blockIdx.y;
   const int64_t begin = plan.expert_begin[e], end = plan.expert_begin[e + 1];
   if (begin == end) return;
   const bool a_aligned = vectorizable(a.A, K), b_aligned = vectorizable(a.B, N);
+  // This thread's copies in every step: chunk `chunk` (8 columns) of rows row0 + 16·i, i < 4,
+  // of both operands; the 128 columns of a row are two slabs of 64.
+  const int chunk = threadIdx.x % 16, row0 = threadIdx.x / 16;
+  constexpr int kSlabBytes = WS * 128;
+  auto chunk_offset = [&](int r) { return (chunk / 8) * kSlabBytes + wgmma::swizzled_chunk(r, chunk % 8); };
 
-  auto rows_of = [&](int64_t p, int64_t& arow, int64_t& brow) {
-    const int s = plan.by_expert[p];
-    arow = a.a_by_in_row ? plan.in_row[s] : plan.out_row[s];
-    brow = a.a_by_in_row ? plan.out_row[s] : plan.in_row[s];
-  };
-  auto load_chunk = [&](int buf, int64_t p0) {
-    bf16* at = At + buf * WS * at_stride;
-    bf16* bt = Bt + buf * WS * bt_stride;
-    for (int c = threadIdx.x; c < WS * WK / 8; c += kThreads) {
-      const int r = c / (WK / 8), kc = (c % (WK / 8)) * 8;
-      int64_t arow = 0, brow = 0;
-      const bool live = p0 + r < end;
-      if (live) rows_of(p0 + r, arow, brow);
-      load8(at + r * at_stride + kc, a.A + arow * K + k0 + kc, live ? int(min64(8, K - (k0 + kc))) : 0, a_aligned);
+  auto load = [&](int stage, int step) {
+    unsigned char* as = smem + stage * kStageBytes;
+    unsigned char* bs = as + WS * WM * 2;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = row0 + 16 * i;
+      const int64_t p = begin + int64_t(step) * WS + r;
+      const bool live = p < end;
+      const int s = live ? plan.by_expert[p] : 0;
+      const int64_t arow = live ? (a.a_by_in_row ? plan.in_row[s] : plan.out_row[s]) : 0;
+      const int64_t brow = live ? (a.a_by_in_row ? plan.out_row[s] : plan.in_row[s]) : 0;
+      load8(reinterpret_cast<bf16*>(as + chunk_offset(r)), a.A + arow * K + k0 + chunk * 8,
+            live ? int(min64(8, K - (k0 + chunk * 8))) : 0, a_aligned);
+      load8(reinterpret_cast<bf16*>(bs + chunk_offset(r)), a.B + brow * N + n0 + chunk * 8,
+            live ? int(min64(8, N - (n0 + chunk * 8))) : 0, b_aligned);
     }
-    for (int c = threadIdx.x; c < WS * BN / 8; c += kThreads) {
-      const int r = c / (BN / 8), nc = (c % (BN / 8)) * 8;
-      int64_t arow = 0, brow = 0;
-      const bool live = p0 + r < end;
-      if (live) rows_of(p0 + r, arow, brow);
-      load8(bt + r * bt_stride + nc, a.B + brow * N + n0 + nc, live ? int(min64(8, N - (n0 + nc))) : 0, b_aligned);
-    }
-    cp_async_commit();
   };
+  auto landed = [&](int stage, int step) {
+    if (!a.weight) return;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = row0 + 16 * i;
+      const int64_t p = begin + int64_t(step) * WS + r;
+      if (p >= end) continue;
+      const float w = a.weight[plan.by_expert[p]];
+      bf16* v = reinterpret_cast<bf16*>(smem + stage * kStageBytes + chunk_offset(r));
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16(w * __bfloat162float(v[j]));
+    }
+  };
+  const int wg = threadIdx.x / 128;
+  float acc[64];
+#pragma unroll
+  for (auto& v : acc) v = 0.f;
+  pipeline<kStages>(int((end - begin + WS - 1) / WS), load, landed, [&](int stage) {
+    const unsigned char* as = smem + stage * kStageBytes;
+    const uint32_t a_addr = wgmma::smem_address(as + wg * kSlabBytes), b_addr = wgmma::smem_address(as + WS * WM * 2);
+    wgmma::fence();
+#pragma unroll
+    for (int k16 = 0; k16 < WS / 16; ++k16)
+      wgmma::mma_m64n128k16<1, 1>(acc, wgmma::mn_major(a_addr, kSlabBytes, k16), wgmma::mn_major(b_addr, kSlabBytes, k16),
+                                  true);
+    wgmma::commit();
+  });
 
-  const int warp = threadIdx.x / 32, wm = (warp / 2) * 32, wn = (warp % 2) * 64;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][4];
-  for (auto& row : acc)
-    for (auto& f : row) wmma::fill_fragment(f, 0.f);
-  load_chunk(0, begin);
-  for (int64_t p0 = begin, chunk = 0; p0 < end; p0 += WS, ++chunk) {
-    const int buf = int(chunk & 1);
-    if (p0 + WS < end) {
-      load_chunk(buf ^ 1, p0 + WS);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    bf16* at = At + buf * WS * at_stride;
-    if (a.weight) {  // 4 threads per selection row, 16 columns each
-      const int r = threadIdx.x / 4, c0 = (threadIdx.x % 4) * 16;
-      if (p0 + r < end) {
-        const float w = a.weight[plan.by_expert[p0 + r]];
-        for (int c = c0; c < c0 + 16; ++c) at[r * at_stride + c] = __float2bfloat16(w * __bfloat162float(at[r * at_stride + c]));
-      }
-      __syncthreads();
-    }
-    const bf16* bt = Bt + buf * WS * bt_stride;
-#pragma unroll
-    for (int kk = 0; kk < WS; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> fa[2];  // Aᵀ
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb[4];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], at + kk * at_stride + wm + 16 * i, at_stride);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) wmma::load_matrix_sync(fb[j], bt + kk * bt_stride + wn + 16 * j, bt_stride);
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      wmma::store_matrix_sync(Ct + (wm + 16 * i) * ct_stride + wn + 16 * j, acc[i][j], ct_stride, wmma::mem_row_major);
-  __syncthreads();
+  // Straight from the accumulators: each thread owns pairs of adjacent columns.
   float* dWe = a.dW + int64_t(e) * K * N;
-  for (int c = threadIdx.x; c < WK * BN; c += kThreads) {
-    const int k = c / BN, n = c % BN;
-    if (k0 + k < K && n0 + n < N) dWe[(k0 + k) * N + n0 + n] += Ct[k * ct_stride + n];
+  const bool pairs = N % 2 == 0 && reinterpret_cast<uintptr_t>(dWe) % 8 == 0;
+#pragma unroll
+  for (int j = 0; j < 64; j += 2) {
+    const int64_t k = k0 + wg * 64 + wgmma::acc_row(j), n = n0 + wgmma::acc_col(j);
+    if (k >= K) continue;
+    float* out = dWe + k * N + n;
+    if (pairs && n + 1 < N) {
+      float2 v = *reinterpret_cast<float2*>(out);
+      v.x += acc[j], v.y += acc[j + 1];
+      *reinterpret_cast<float2*>(out) = v;
+    } else {
+      if (n < N) out[0] += acc[j];
+      if (n + 1 < N) out[1] += acc[j + 1];
+    }
   }
 }
 
@@ -325,23 +345,40 @@ __global__ void count_experts(int32_t* counts, const int32_t* key, int64_t n_sel
   if (i < n_sel && key[i] < experts) atomicAdd(counts + key[i], 1);
 }
 
-// One thread: offsets from counts, then the row tiles of every expert in order. Experts are at
-// most a few thousand and tiles n/64 + experts: microseconds, and no host round trip.
-__global__ void offsets_and_tiles(int64_t* begin, int32_t* tile_expert, int32_t* tile_first, int32_t* live_tiles,
-                                  const int32_t* counts, int experts) {
-  int64_t pos = 0;
-  int32_t tiles = 0;
-  for (int e = 0; e < experts; ++e) {
-    begin[e] = pos;
-    for (int64_t p = pos; p < pos + counts[e]; p += kCvmmTileRows) {
-      tile_expert[tiles] = e;
-      tile_first[tiles] = int32_t(p);
-      ++tiles;
+// Expert offsets and row tiles from the counts, in one block: a scan of counts and tile counts
+// over the experts, 256 at a time, then each thread lists its expert's tiles. No host round trip.
+constexpr int kPlanThreads = 256;
+__global__ void __launch_bounds__(kPlanThreads)
+    offsets_and_tiles(int64_t* begin, int32_t* tile_expert, int32_t* tile_first, int32_t* live_tiles,
+                      const int32_t* counts, int experts) {
+  using Scan = cub::BlockScan<int64_t, kPlanThreads>;
+  __shared__ typename Scan::TempStorage scratch;
+  __shared__ int64_t done_rows, done_tiles;  // totals of the experts before this pass
+  if (threadIdx.x == 0) done_rows = done_tiles = 0;
+  __syncthreads();
+  for (int e0 = 0; e0 < experts; e0 += kPlanThreads) {
+    const int e = e0 + int(threadIdx.x);
+    const int64_t rows = e < experts ? counts[e] : 0, tiles = (rows + kCvmmTileRows - 1) / kCvmmTileRows;
+    int64_t first_row, first_tile, pass_rows, pass_tiles;
+    Scan(scratch).ExclusiveSum(rows, first_row, pass_rows);
+    __syncthreads();
+    Scan(scratch).ExclusiveSum(tiles, first_tile, pass_tiles);
+    first_row += done_rows, first_tile += done_tiles;
+    if (e < experts) {
+      begin[e] = first_row;
+      for (int64_t i = 0; i < tiles; ++i) {
+        tile_expert[first_tile + i] = e;
+        tile_first[first_tile + i] = int32_t(first_row + i * kCvmmTileRows);
+      }
     }
-    pos += counts[e];
+    __syncthreads();
+    if (threadIdx.x == 0) done_rows += pass_rows, done_tiles += pass_tiles;
+    __syncthreads();
   }
-  begin[experts] = pos;
-  *live_tiles = tiles;
+  if (threadIdx.x == 0) {
+    begin[experts] = done_rows;
+    *live_tiles = int32_t(done_tiles);
+  }
 }
 
 int32_t max_tiles(int64_t selections, int64_t experts) {
@@ -396,27 +433,42 @@ void CvmmPlanner::build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, 
     count_experts<<<blocks, 256, 0, stream>>>(counts_.get(), keys_.get(), sels, int(experts));
     MOEUT_CUDA_CHECK(cudaGetLastError());
   }
-  offsets_and_tiles<<<1, 1, 0, stream>>>(plan.expert_begin.get(), plan.tile_expert.get(), plan.tile_first.get(),
+  offsets_and_tiles<<<1, kPlanThreads, 0, stream>>>(plan.expert_begin.get(), plan.tile_expert.get(), plan.tile_first.get(),
                                          plan.live_tiles.get(), counts_.get(), int(experts));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
+
+namespace {
+
+template <class Kernel, class Args>
+void launch_with_smem(Kernel kernel, int stages, dim3 grid, cudaStream_t stream, const CvmmPlan& plan, const Args& a) {
+  const size_t bytes = rows_smem_bytes(stages);
+  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  kernel<<<grid, kRowsThreads, bytes, stream>>>(plan, a);
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+}
+
+// Three stages keep two blocks per SM (96 KB each); short products (K <= 128, two k-steps) need
+// only two.
+template <bool kTransW>
+void launch_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, dim3 grid, cudaStream_t stream) {
+  if (a.K <= 2 * BK) launch_with_smem(cvmm_rows_kernel<kTransW, 2>, 2, grid, stream, plan, a);
+  else launch_with_smem(cvmm_rows_kernel<kTransW, 3>, 3, grid, stream, plan, a);
+}
+
+}  // namespace
 
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   if (plan.tiles == 0) return;
   if (a.accumulate ? !a.out_f32 : !a.out) throw std::invalid_argument("cvmm_rows: output buffer missing");
   const dim3 grid(unsigned(plan.tiles), unsigned((a.N + BN - 1) / BN));
-  const size_t loop_bytes = sizeof(bf16) * 2 * (BM * (BK + kPadA) + (a.transpose_w ? BN * (BK + kPadA) : BK * (BN + kPadA)));
-  const size_t bytes = std::max(loop_bytes, sizeof(float) * BM * (BN + kPadC));
-  if (a.transpose_w) cvmm_rows_kernel<true><<<grid, kThreads, bytes, stream>>>(plan, a);
-  else cvmm_rows_kernel<false><<<grid, kThreads, bytes, stream>>>(plan, a);
-  MOEUT_CUDA_CHECK(cudaGetLastError());
+  if (a.transpose_w) launch_rows<true>(plan, a, grid, stream);
+  else launch_rows<false>(plan, a, grid, stream);
 }
 
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {
-  const dim3 grid(unsigned(((a.K + WK - 1) / WK) * ((a.N + BN - 1) / BN)), unsigned(a.n_experts));
-  const size_t bytes = std::max(sizeof(bf16) * 2 * WS * (WK + kPadA + BN + kPadA), sizeof(float) * WK * (BN + kPadC));
-  cvmm_weight_grad_kernel<<<grid, kThreads, bytes, stream>>>(plan, a);
-  MOEUT_CUDA_CHECK(cudaGetLastError());
+  const dim3 grid(unsigned(((a.K + WM - 1) / WM) * ((a.N + WN - 1) / WN)), unsigned(a.n_experts));
+  launch_with_smem(cvmm_weight_grad_kernel<3>, 3, grid, stream, plan, a);
 }
 
 }  // namespace moeut::cuda

@@ -26,7 +26,7 @@ struct CvmmPlan {
   const int32_t* live_tiles;    // [1]
   int32_t tiles;
 };
-inline constexpr int kCvmmTileRows = 64;
+inline constexpr int kCvmmTileRows = 128;
 
 // out[out_row] (+)= weight · X[in_row] · op(W_e). W holds [E, K, N] (op = identity) or
 // [E, N, K] (transposed: op(W_e) = W_eᵀ). weight may be null (ones).

@@ -2,6 +2,7 @@
 // tokens/s, TFLOP/s and MFU (the spec's FLOP formula over the bf16 peak measured in the same
 // run), peak GPU memory and the split between forward, backward and optimizer.
 #include <boost/program_options.hpp>
+#include <cuda_profiler_api.h>
 #include <array>
 #include <chrono>
 #include <cstdio>
@@ -70,6 +71,9 @@ int main(int argc, char** argv) {
       model.take_profile();  // the forward-only pass is not part of the split
       const auto t1 = clock::now();
       model.zero_gradients();
+      // The last step's training work is the profiled range (ncu --profile-from-start off).
+      const bool profiled = s + 1 == warmup + steps;
+      if (profiled) MOEUT_CUDA_CHECK(cudaProfilerStart());
       loss = model.forward_backward(tokens.data(), 1.0);
       MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
       const auto t2 = clock::now();
@@ -77,6 +81,7 @@ int main(int argc, char** argv) {
       optimizer.step(model.working(), model.grads(), cfg.train.lr, cfg.train);
       MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
       const auto t3 = clock::now();
+      if (profiled) MOEUT_CUDA_CHECK(cudaProfilerStop());
       if (s < warmup) continue;
       fwd += seconds(t0, t1);
       for (size_t i = 0; i < parts.size(); ++i) parts[i] += split[i];
