@@ -13,6 +13,14 @@
 #include "kernels/routing_cuda.h"
 
 namespace moeut {
+
+namespace {
+// cuBLAS falls back to slow unaligned kernels (sm75 `align1`, measured 0.37 ms for the 1B FFN
+// router instead of ~0.1) when rows of a product's operand are not 16-byte multiples, as with
+// 565 experts: router products use rows padded to 8 elements.
+int64_t router_ld(int64_t out) { return (out + 7) / 8 * 8; }
+}  // namespace
+
 namespace {
 
 using bf16 = __nv_bfloat16;
@@ -89,8 +97,11 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   reg_loss_ = DeviceBuffer<double>(2);
   for (auto* b : {&dres_, &dxn_, &dxf_}) *b = DeviceBuffer<float>(size_t(N * d));
   dw_ = DeviceBuffer<float>(size_t(N * std::max(kf, hk)));
-  dz_ = DeviceBuffer<float>(size_t(N * std::max(cfg_.ff_n_experts, he)));
-  dzb_ = DeviceBuffer<bf16>(size_t(N * std::max(cfg_.ff_n_experts, he)));
+  const int64_t router_rows = router_ld(std::max(cfg_.ff_n_experts, he));  // padded rows: see router_ld
+  dz_ = DeviceBuffer<float>(size_t(N * router_rows));
+  dzb_ = DeviceBuffer<bf16>(size_t(N * router_rows));
+  router_w_ = DeviceBuffer<bf16>(size_t(router_rows * d));
+  MOEUT_CUDA_CHECK(cudaMemset(router_w_.get(), 0, router_w_.size() * sizeof(bf16)));
   dheads_f32_ = DeviceBuffer<float>(size_t(N * hd));
   dresb_ = DeviceBuffer<bf16>(size_t(N * d));
   dhidden_ = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
@@ -169,13 +180,30 @@ void GpuModel::zero_gradients() {
 
 // y [rows, out] (row-major) = alpha · x [rows, d] · Wᵀ, W [out, d]: column-major y [out, rows].
 void GpuModel::dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out, float alpha, void* y,
-                     cudaDataType y_type) {
+                     cudaDataType y_type, int64_t y_ld, const bf16* w) {
   const float zero = 0.f;
   const int64_t d = cfg_.d_model;
-  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(rows), int(d), &alpha, wparam(weight),
-                            CUDA_R_16BF, int(d), x, CUDA_R_16BF, int(d), &zero, y, y_type, int(out), CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT),
+  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(rows), int(d), &alpha, w ? w : wparam(weight),
+                            CUDA_R_16BF, int(d), x, CUDA_R_16BF, int(d), &zero, y, y_type, int(y_ld ? y_ld : out),
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                weight.c_str());
+}
+
+const bf16* GpuModel::padded_router_weight(const std::string& weight, int64_t out) {
+  // Rows past `out` hold zeros or rows of another router: finite either way, which is all the
+  // products need (the forward drops their outputs; in the backward dy's pad columns are zero).
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(router_w_.get(), wparam(weight), size_t(out * cfg_.d_model) * sizeof(bf16),
+                                   cudaMemcpyDeviceToDevice, stream_));
+  return router_w_.get();
+}
+
+void GpuModel::router_logits(const bf16* x, const std::string& weight, int64_t out, float* z) {
+  const int64_t N = B_ * cfg_.context, ld = router_ld(out);
+  if (ld == out) return dense(x, weight, N, out, 1.f, z, CUDA_R_32F);
+  // dz_ is free in the forward pass.
+  dense(x, weight, N, ld, 1.f, dz_.get(), CUDA_R_32F, ld, padded_router_weight(weight, out));
+  MOEUT_CUDA_CHECK(cudaMemcpy2DAsync(z, size_t(out) * sizeof(float), dz_.get(), size_t(ld) * sizeof(float),
+                                     size_t(out) * sizeof(float), size_t(N), cudaMemcpyDeviceToDevice, stream_));
 }
 
 void GpuModel::attention_forward(int64_t l) {
@@ -196,8 +224,8 @@ void GpuModel::attention_forward(int64_t l) {
   cuda::rope_forward(L.q.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   cuda::rope_forward(L.k.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   mark(Part::kDense);
-  dense(xn_.get(), p + "attention.sel_v", N, H * Ea, 1.f, L.zv.get(), CUDA_R_32F);
-  dense(xn_.get(), p + "attention.sel_o", N, H * Ea, 1.f, L.zo.get(), CUDA_R_32F);
+  router_logits(xn_.get(), p + "attention.sel_v", H * Ea, L.zv.get());
+  router_logits(xn_.get(), p + "attention.sel_o", H * Ea, L.zo.get());
   mark(Part::kRouting);
   cuda::topk_sigmoid_forward(L.iv.get(), L.wv.get(), L.zv.get(), N, H, Ea, ka, stream_);
   cuda::topk_sigmoid_forward(L.io.get(), L.wo.get(), L.zo.get(), N, H, Ea, ka, stream_);
@@ -227,7 +255,7 @@ void GpuModel::ffn_forward(int64_t l) {
                           wparam(p + "ln2.bias"), N, d, stream_);
   cuda::to_bf16(L.x_midb.get(), L.x_mid.get(), N * d, stream_);
   mark(Part::kDense);
-  dense(xn_.get(), p + "ffn.expert_sel", N, Ef, 1.f, L.z.get(), CUDA_R_32F);
+  router_logits(xn_.get(), p + "ffn.expert_sel", Ef, L.z.get());
   mark(Part::kRouting);
   cuda::topk_sigmoid_forward(L.i_ff.get(), L.w_ff.get(), L.z.get(), N, 1, Ef, kf, stream_);
   float* y = xs_[l + 1].get();
@@ -337,17 +365,20 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
 }
 
 void GpuModel::dense_backward(const bf16* dy, const bf16* x, const std::string& weight, int64_t rows, int64_t out,
-                              float alpha, float* dx, bool accumulate) {
+                              float alpha, float* dx, bool accumulate, int64_t dy_ld, const bf16* padded_w) {
   const int64_t d = cfg_.d_model;
+  if (dy_ld == 0) dy_ld = out;
+  // With padded_w [dy_ld, d] (zero rows past out) and dy's pad columns zero, dx sums over dy_ld.
+  const int64_t k = padded_w ? dy_ld : out;
   const float one = 1.f, beta = accumulate ? 1.f : 0.f;
   // dW [out, d] += alpha · dyᵀ x  <=>  cm [d, out] += alpha · x(cm [d, rows]) · dy(cm [out, rows])ᵀ
   check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(d), int(out), int(rows), &alpha, x, CUDA_R_16BF, int(d),
-                            dy, CUDA_R_16BF, int(out), &one, gparam(weight), CUDA_R_32F, int(d), CUBLAS_COMPUTE_32F,
+                            dy, CUDA_R_16BF, int(dy_ld), &one, gparam(weight), CUDA_R_32F, int(d), CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT),
                (weight + " weight gradient").c_str());
   // dx [rows, d] = alpha · dy W  <=>  cm [d, rows] = alpha · W(cm [d, out]) · dy(cm [out, rows])
-  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(d), int(rows), int(out), &alpha, wparam(weight),
-                            CUDA_R_16BF, int(d), dy, CUDA_R_16BF, int(out), &beta, dx, CUDA_R_32F, int(d),
+  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(d), int(rows), int(k), &alpha, padded_w ? padded_w : wparam(weight),
+                            CUDA_R_16BF, int(d), dy, CUDA_R_16BF, int(dy_ld), &beta, dx, CUDA_R_32F, int(d),
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                (weight + " input gradient").c_str());
 }
@@ -359,9 +390,11 @@ void GpuModel::router_backward(const float* dz_reg, const int32_t* index, const 
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(dz_.get(), dz_reg, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   cuda::topk_sigmoid_backward(dz_.get(), dw_.get(), index, w, N, groups, E, k, stream_);
   mark(Part::kOther);
-  cuda::to_bf16(dzb_.get(), dz_.get(), n, stream_);
+  const int64_t ld = router_ld(groups * E);
+  cuda::to_bf16_rows(dzb_.get(), ld, dz_.get(), N, groups * E, stream_);
   mark(Part::kDense);
-  dense_backward(dzb_.get(), x, weight, N, groups * E, 1.f, dxn_.get(), accumulate);
+  dense_backward(dzb_.get(), x, weight, N, groups * E, 1.f, dxn_.get(), accumulate, ld,
+                 ld == groups * E ? nullptr : padded_router_weight(weight, groups * E));
 }
 
 void GpuModel::ffn_backward(int64_t l) {

@@ -80,13 +80,21 @@ class GpuModel {
   void experts_backward(int64_t l, const bf16* dY, const bf16* X, const float* weight, int64_t rows, float* dX, float* dw);
   void attention_backward(int64_t l);
   // d(weight) += alpha · dyᵀ·x; dx = alpha · dy·W (+ dx when accumulate): the backward of dense.
+  // dy's rows are dy_ld elements apart (0: out); padded_w: see padded_router_weight.
   void dense_backward(const bf16* dy, const bf16* x, const std::string& weight, int64_t rows, int64_t out, float alpha,
-                      float* dx, bool accumulate);
+                      float* dx, bool accumulate, int64_t dy_ld = 0, const bf16* padded_w = nullptr);
   // dz = regulariser gradient + routing backward; then the router's dense backward into dxn_.
   void router_backward(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E, int64_t k,
                        const bf16* x, const std::string& weight, bool accumulate);
+  // y's rows are y_ld elements apart (0: out_features); w: the weight's values when not the
+  // parameter itself (a padded copy).
   void dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out_features, float alpha, void* y,
-             cudaDataType y_type);
+             cudaDataType y_type, int64_t y_ld = 0, const bf16* w = nullptr);
+  // The router weight [out, d] copied into router_w_ (router_ld(out) rows, finite past `out`), so
+  // that its products run on aligned shapes.
+  const bf16* padded_router_weight(const std::string& weight, int64_t out);
+  // Routing logits z [N, out] = x·Wᵀ in fp32 (see router_ld).
+  void router_logits(const bf16* x, const std::string& weight, int64_t out, float* z);
   void mark(Part p);  // the work queued from here on belongs to p (kCount: none)
 
 
@@ -109,7 +117,7 @@ class GpuModel {
   cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_, vsum_;
   // Backward scratch, shared by the layers.
   cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dz_, dheads_f32_;
-  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dq_, dk_, dv_;
+  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dq_, dk_, dv_, router_w_;
   // Expert parallelism: rows received from the group (scratch; the forward's are per layer).
   cuda::DeviceBuffer<float> recv_rows_, recv_dw_;
   cuda::DeviceBuffer<bf16> recv_dy_;

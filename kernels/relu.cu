@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "kernels/cuda_check.h"
 #include "kernels/relu_cuda.h"
 
@@ -21,6 +23,12 @@ __global__ void to_bf16_kernel(__nv_bfloat16* out, const float* x, int64_t n) {
     out[i] = __float2bfloat16(x[i]);
 }
 
+__global__ void to_bf16_rows_kernel(__nv_bfloat16* out, int64_t out_ld, const float* x, int64_t rows, int64_t cols) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    for (int64_t c = threadIdx.x; c < out_ld; c += blockDim.x)
+      out[r * out_ld + c] = __float2bfloat16(c < cols ? x[r * cols + c] : 0.f);
+}
+
 }  // namespace
 
 void relu_forward(__nv_bfloat16* x, int64_t n, cudaStream_t stream) {
@@ -38,6 +46,12 @@ void relu_backward(__nv_bfloat16* dx, const __nv_bfloat16* dout, const __nv_bflo
 void to_bf16(__nv_bfloat16* out, const float* x, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   to_bf16_kernel<<<kBlocks, kThreads, 0, stream>>>(out, x, n);
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+}
+
+void to_bf16_rows(__nv_bfloat16* out, int64_t out_ld, const float* x, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  to_bf16_rows_kernel<<<unsigned(std::min<int64_t>(rows, 65535)), kThreads, 0, stream>>>(out, out_ld, x, rows, cols);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 

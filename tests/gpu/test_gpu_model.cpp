@@ -11,7 +11,8 @@ namespace {
 
 // all_experts: top-k over every expert, so that no routing choice can flip between the bf16
 // GPU and the fp32 CPU (a flip changes which experts a token uses, and their gradients
-// entirely; the choice itself is tested exactly at kernel level).
+// entirely; the choice itself is tested exactly at kernel level). Router widths (13 and 6, or 7
+// and 6) are not multiples of 8, so the padded router products run too.
 ModelConfig small_config(bool all_experts = false) {
   ModelConfig m;
   m.n_tokens = 500;
@@ -22,13 +23,13 @@ ModelConfig small_config(bool all_experts = false) {
   m.d_head = 32;
   m.att_n_experts = 4;
   m.att_k = 2;
-  m.ff_n_experts = 16;
+  m.ff_n_experts = 13;
   m.ff_k = 4;
   m.ff_expert_size = 32;
   m.context = 64;
   if (all_experts) {
-    m.ff_n_experts = m.ff_k = 8;
-    m.att_n_experts = m.att_k = 2;
+    m.ff_n_experts = m.ff_k = 7;
+    m.att_n_experts = m.att_k = 3;
   }
   return m;
 }
