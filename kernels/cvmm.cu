@@ -161,14 +161,29 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
   __syncthreads();
 
   const int n_valid = int(min64(BN, N - n0));
-  if (a.dweight) {  // two threads per row, 64 columns each, combined by a shuffle
-    const int r = threadIdx.x / 2, half = threadIdx.x % 2;
-    float sum = 0.f;
-    if (s_sel[r] >= 0)
-      for (int n = half * 64; n < min(n_valid, half * 64 + 64); ++n)
-        sum += Cs[r * kCStride + n] * __bfloat162float(a.dot_rows[int64_t(s_out[r]) * N + n0 + n]);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    if (half == 0 && s_sel[r] >= 0) atomicAdd(a.dweight + s_sel[r], sum);
+  if (a.dweight) {
+    // 16 threads per row, 8 columns each (one 16-byte load of dot_rows), summed by shuffles within
+    // the 16; every lane runs every round, so the shuffles see whole warps.
+    const int n = (threadIdx.x % 16) * 8;
+    const bool whole = n_valid == BN && vectorizable(a.dot_rows, N);
+    for (int r = threadIdx.x / 16; r < BM; r += kRowsThreads / 16) {
+      float sum = 0.f;
+      if (r < rows) {
+        const bf16* dot = a.dot_rows + int64_t(s_out[r]) * N + n0 + n;
+        alignas(16) bf16 v[8];
+        if (whole) *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(dot);
+        else
+          for (int j = 0; j < 8; ++j) v[j] = n + j < n_valid ? dot[j] : __float2bfloat16(0.f);
+        const float4* c = reinterpret_cast<const float4*>(Cs + r * kCStride + n);  // rows 528 bytes apart
+        const float4 c0 = c[0], c1 = c[1];
+        const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum += cv[j] * __bfloat162float(v[j]);
+      }
+#pragma unroll
+      for (int offset = 8; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      if (threadIdx.x % 16 == 0 && r < rows) atomicAdd(a.dweight + s_sel[r], sum);
+    }
   }
   if (a.accumulate && N % 4 == 0 && n_valid % 4 == 0 && reinterpret_cast<uintptr_t>(a.out_f32) % 16 == 0) {
     // Scatter: 32 threads per row, 4 columns each, one 16-byte vector atomic per thread.
@@ -213,7 +228,7 @@ constexpr int WM = 128, WN = 128, WS = 64;
 static_assert((WM + WN) * WS * 2 == kStageBytes, "weight-gradient stages share the row products' size");
 
 template <int kStages>
-__global__ void __launch_bounds__(kRowsThreads) cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a) {
+__global__ void __launch_bounds__(kRowsThreads, 2) cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int64_t K = a.K, N = a.N;
@@ -229,36 +244,49 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_weight_grad_kernel(CvmmPlan
   constexpr int kSlabBytes = WS * 128;
   auto chunk_offset = [&](int r) { return (chunk / 8) * kSlabBytes + wgmma::swizzled_chunk(r, chunk % 8); };
 
+  // The rows (and routing weights) of a step are looked up one step ahead, so the dependent
+  // index loads overlap the products instead of stalling the copies that need them.
+  int64_t arow[4], brow[4];
+  float w[4];
+  auto look_up = [&](int step) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t p = begin + int64_t(step) * WS + row0 + 16 * i;
+      const bool live = p < end;
+      const int s = live ? plan.by_expert[p] : 0;
+      arow[i] = !live ? -1 : a.a_by_in_row ? plan.in_row[s] : plan.out_row[s];
+      brow[i] = !live ? -1 : a.a_by_in_row ? plan.out_row[s] : plan.in_row[s];
+      w[i] = live && a.weight ? a.weight[s] : 1.f;
+    }
+  };
+  __shared__ float s_weight[kStages][WS];  // each thread's own rows: written and read by it alone
   auto load = [&](int stage, int step) {
     unsigned char* as = smem + stage * kStageBytes;
     unsigned char* bs = as + WS * WM * 2;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = row0 + 16 * i;
-      const int64_t p = begin + int64_t(step) * WS + r;
-      const bool live = p < end;
-      const int s = live ? plan.by_expert[p] : 0;
-      const int64_t arow = live ? (a.a_by_in_row ? plan.in_row[s] : plan.out_row[s]) : 0;
-      const int64_t brow = live ? (a.a_by_in_row ? plan.out_row[s] : plan.in_row[s]) : 0;
-      load8(reinterpret_cast<bf16*>(as + chunk_offset(r)), a.A + arow * K + k0 + chunk * 8,
+      const bool live = arow[i] >= 0;
+      load8(reinterpret_cast<bf16*>(as + chunk_offset(r)), a.A + max(arow[i], int64_t(0)) * K + k0 + chunk * 8,
             live ? int(min64(8, K - (k0 + chunk * 8))) : 0, a_aligned);
-      load8(reinterpret_cast<bf16*>(bs + chunk_offset(r)), a.B + brow * N + n0 + chunk * 8,
+      load8(reinterpret_cast<bf16*>(bs + chunk_offset(r)), a.B + max(brow[i], int64_t(0)) * N + n0 + chunk * 8,
             live ? int(min64(8, N - (n0 + chunk * 8))) : 0, b_aligned);
+      s_weight[stage][r] = w[i];
     }
+    look_up(step + 1);
   };
-  auto landed = [&](int stage, int step) {
+  auto landed = [&](int stage, int) {
     if (!a.weight) return;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = row0 + 16 * i;
-      const int64_t p = begin + int64_t(step) * WS + r;
-      if (p >= end) continue;
-      const float w = a.weight[plan.by_expert[p]];
+      const float wr = s_weight[stage][r];
       bf16* v = reinterpret_cast<bf16*>(smem + stage * kStageBytes + chunk_offset(r));
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16(w * __bfloat162float(v[j]));
+      for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16(wr * __bfloat162float(v[j]));
     }
   };
+  look_up(0);
   const int wg = threadIdx.x / 128;
   float acc[64];
 #pragma unroll
