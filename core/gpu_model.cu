@@ -8,7 +8,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/embedding_cuda.h"
 #include "kernels/layernorm_cuda.h"
-#include "kernels/relu_cuda.h"
+#include "kernels/cast_cuda.h"
 #include "kernels/rope_cuda.h"
 #include "kernels/routing_cuda.h"
 
@@ -282,8 +282,7 @@ void GpuModel::experts_forward(int64_t l, const bf16* X, const int32_t* index, c
   mark(Part::kExperts);
   planner_->build(L.plan_ff, index, rows, 1, E, kf, cuda::CvmmRoute::kGatherToSelections, stream_);
   cuda::cvmm_rows(L.plan_ff.view(), {X, wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr, nullptr, d, es,
-                                      false, false}, stream_);
-  cuda::relu_forward(L.hidden.get(), rows * kf * es, stream_);
+                                      false, false, cuda::CvmmRowsArgs::Relu::kApply}, stream_);
   cuda::cvmm_rows(L.plan_ff.view(true), {L.hidden.get(), wparam(p + "ffn.values"), weight, nullptr, out, nullptr,
                                           nullptr, es, d, false, true}, stream_);
 }
@@ -433,11 +432,12 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, const bf16* X, const 
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
   mark(Part::kExperts);
+  // dhidden comes out already through the ReLU's gradient (masked where hidden is 0); the
+  // routing-weight gradient is the same either way, its dot products reading hidden itself.
   cuda::cvmm_rows(L.plan_ff.view(), {dY, wparam(p + "ffn.values"), weight, dhidden_.get(), nullptr, dw, L.hidden.get(),
-                                      d, es, true, false}, stream_);
+                                      d, es, true, false, cuda::CvmmRowsArgs::Relu::kMaskByDotRows}, stream_);
   cuda::cvmm_weight_grad(L.plan_ff.view(true), {L.hidden.get(), dY, weight, true, gparam(p + "ffn.values"), es, d, E},
                          stream_);
-  cuda::relu_backward(dhidden_.get(), dhidden_.get(), L.hidden.get(), rows * kf * es, stream_);
   cuda::cvmm_rows(L.plan_ff.view(true), {dhidden_.get(), wparam(p + "ffn.keys"), nullptr, nullptr, dX, nullptr, nullptr,
                                           es, d, true, true}, stream_);
   cuda::cvmm_weight_grad(L.plan_ff.view(), {X, dhidden_.get(), nullptr, true, gparam(p + "ffn.keys"), d, es, E}, stream_);

@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   float* Cs = reinterpret_cast<float*>(smem);  // [BM][kCStride], after the loop
   __shared__ int32_t s_in[BM], s_out[BM], s_sel[BM];
+  __shared__ float s_weight[BM];  // routing weights, looked up once (the epilogue reads them per row)
 
   if (int(blockIdx.x) >= *plan.live_tiles) return;  // past this plan's tiles (see CvmmPlan)
   const int tile = blockIdx.x, n0 = blockIdx.y * BN;
@@ -107,6 +108,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
     s_sel[r] = s;
     s_in[r] = s >= 0 ? plan.in_row[s] : -1;
     s_out[r] = s >= 0 ? plan.out_row[s] : -1;
+    s_weight[r] = s >= 0 && a.weight ? a.weight[s] : 1.f;
   }
   __syncthreads();
   const bf16* We = a.W + int64_t(e) * K * N;
@@ -188,7 +190,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
   if (a.accumulate && N % 4 == 0 && n_valid % 4 == 0 && reinterpret_cast<uintptr_t>(a.out_f32) % 16 == 0) {
     // Scatter: 32 threads per row, 4 columns each, one 16-byte vector atomic per thread.
     for (int r = threadIdx.x / 32; r < rows; r += kRowsThreads / 32) {
-      const float w = a.weight ? a.weight[s_sel[r]] : 1.f;
+      const float w = s_weight[r];
       float* base = a.out_f32 + int64_t(s_out[r]) * N + n0;
       for (int n = (threadIdx.x % 32) * 4; n < n_valid; n += 128) {
         const float* c = Cs + r * kCStride + n;
@@ -197,25 +199,33 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
     }
     return;
   }
+  // A stored output element: weighted, then through the ReLU options (see CvmmRowsArgs).
+  using Relu = CvmmRowsArgs::Relu;
+  auto stored = [&](float v, int64_t at) {
+    if (a.relu == Relu::kApply) return __float2bfloat16(fmaxf(v, 0.f));
+    if (a.relu == Relu::kMaskByDotRows && !(__bfloat162float(a.dot_rows[at]) > 0.f)) return __float2bfloat16(0.f);
+    return __float2bfloat16(v);
+  };
   if (!a.accumulate && n_valid == BN && vectorizable(a.out, N)) {
     // Rows of bf16: 16 threads per row, 8 columns (one 16-byte store) each.
     for (int i = threadIdx.x; i < rows * (BN / 8); i += kRowsThreads) {
       const int r = i / (BN / 8), n = (i % (BN / 8)) * 8;
-      const float w = a.weight ? a.weight[s_sel[r]] : 1.f;
+      const float w = s_weight[r];
+      const int64_t at = int64_t(s_out[r]) * N + n0 + n;
       alignas(16) bf16 v[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16(w * Cs[r * kCStride + n + j]);
-      *reinterpret_cast<uint4*>(a.out + int64_t(s_out[r]) * N + n0 + n) = *reinterpret_cast<const uint4*>(v);
+      for (int j = 0; j < 8; ++j) v[j] = stored(w * Cs[r * kCStride + n + j], at + j);
+      *reinterpret_cast<uint4*>(a.out + at) = *reinterpret_cast<const uint4*>(v);
     }
     return;
   }
   for (int r = 0; r < rows; ++r) {  // one row at a time: consecutive threads, consecutive columns
-    const float w = a.weight ? a.weight[s_sel[r]] : 1.f;
+    const float w = s_weight[r];
     const int64_t base = int64_t(s_out[r]) * N + n0;
     for (int n = threadIdx.x; n < n_valid; n += kRowsThreads) {
       const float v = w * Cs[r * kCStride + n];
       if (a.accumulate) atomicAdd(a.out_f32 + base + n, v);
-      else a.out[base + n] = __float2bfloat16(v);
+      else a.out[base + n] = stored(v, base + n);
     }
   }
 }

@@ -44,6 +44,9 @@ struct CvmmRowsArgs {
   const __nv_bfloat16* dot_rows;
   int64_t K, N;
   bool transpose_w, accumulate;
+  // Stored (bf16) outputs only: kApply stores max(0, ·) (the FFN's hidden units); kMaskByDotRows
+  // stores 0 where dot_rows <= 0 (the gradient through that ReLU, dot_rows being its output).
+  enum class Relu { kNone, kApply, kMaskByDotRows } relu = Relu::kNone;
 };
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream);
 

@@ -8,7 +8,7 @@
 #include "kernels/adamw_cuda.h"
 #include "kernels/cuda_check.h"
 #include "kernels/grad_norm.h"
-#include "kernels/relu_cuda.h"
+#include "kernels/cast_cuda.h"
 
 namespace moeut {
 

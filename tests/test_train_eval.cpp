@@ -21,7 +21,8 @@ Config small_run(const std::string& tag) {
   return test::small_run({.d_model = 24, .n_layers = 2, .group_size = 1, .ff_n_experts = 8, .ff_k = 2,
                           .ff_expert_size = 16},
                          {.steps = 30, .batch_size = 8, .micro_batch_size = 4, .warmup_steps = 3,
-                          .train_data = temp("train.bin"), .val_data = temp("val.bin"),
+                          // Per tag: ctest runs tests as parallel processes, which must not share files.
+                          .train_data = temp("train_" + tag + ".bin"), .val_data = temp("val_" + tag + ".bin"),
                           .metrics = temp("metrics_" + tag + ".jsonl")});
 }
 

@@ -31,7 +31,8 @@ std::string shared_dir(const std::string& name) {
 
 std::string rank_file(const std::string& name) {
   return (fs::path(testing::TempDir()) /
-          ("moeut_mpi_ckpt_np" + std::to_string(world_size()) + "_r" + std::to_string(world_rank()) + "_" + name))
+          ("moeut_mpi_ckpt_np" + std::to_string(world_size()) + "_ep" + std::to_string(g_ep) + "_r" +
+           std::to_string(world_rank()) + "_" + name))
       .string();
 }
 

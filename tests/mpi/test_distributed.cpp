@@ -21,7 +21,11 @@ namespace moeut {
 namespace {
 
 std::string temp_file(const std::string& name) {
-  return (std::filesystem::path(testing::TempDir()) / ("moeut_mpi" + std::to_string(world_rank()) + "_" + name)).string();
+  // Per layout and rank: ctest may run several layouts at once.
+  return (std::filesystem::path(testing::TempDir()) / ("moeut_mpi_np" + std::to_string(world_size()) + "_ep" +
+                                                        std::to_string(g_ep) + "_r" + std::to_string(world_rank()) +
+                                                        "_" + name))
+      .string();
 }
 
 Config small_run() {

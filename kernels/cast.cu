@@ -1,22 +1,13 @@
+// fp32 -> bf16 copies on the GPU (see cast_cuda.h).
 #include <algorithm>
 
 #include "kernels/cuda_check.h"
-#include "kernels/relu_cuda.h"
+#include "kernels/cast_cuda.h"
 
 namespace moeut::cuda {
 namespace {
 
 constexpr int kThreads = 256, kBlocks = 2048;
-
-__global__ void relu_kernel(__nv_bfloat16* x, int64_t n) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    if (!(__bfloat162float(x[i]) > 0.f)) x[i] = __float2bfloat16(0.f);
-}
-
-__global__ void relu_backward_kernel(__nv_bfloat16* dx, const __nv_bfloat16* dout, const __nv_bfloat16* out, int64_t n) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    dx[i] = __bfloat162float(out[i]) > 0.f ? dout[i] : __float2bfloat16(0.f);
-}
 
 __global__ void to_bf16_kernel(__nv_bfloat16* out, const float* x, int64_t n) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -30,18 +21,6 @@ __global__ void to_bf16_rows_kernel(__nv_bfloat16* out, int64_t out_ld, const fl
 }
 
 }  // namespace
-
-void relu_forward(__nv_bfloat16* x, int64_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  relu_kernel<<<kBlocks, kThreads, 0, stream>>>(x, n);
-  MOEUT_CUDA_CHECK(cudaGetLastError());
-}
-
-void relu_backward(__nv_bfloat16* dx, const __nv_bfloat16* dout, const __nv_bfloat16* out, int64_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  relu_backward_kernel<<<kBlocks, kThreads, 0, stream>>>(dx, dout, out, n);
-  MOEUT_CUDA_CHECK(cudaGetLastError());
-}
 
 void to_bf16(__nv_bfloat16* out, const float* x, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
