@@ -33,6 +33,7 @@ struct GpuModel::Layer {
   // zv, zo, z: the routing logits, then (after the forward pass) the regulariser's gradient
   // with respect to them, which is all the backward pass needs of them.
   DeviceBuffer<float> mean1, rstd1, zv, zo, wv, wo, x_mid, mean2, rstd2, z, w_ff;
+  DeviceBuffer<float> lse;  // attention's row log-sum-exp, for its backward
   DeviceBuffer<int32_t> iv, io, i_ff;
   cuda::CvmmPlanBuffers plan_v, plan_o, plan_ff;  // kept from the forward to the backward pass
   // Expert parallelism: where the tokens went, and the rows this rank received.
@@ -79,6 +80,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
       L.recv_weight = DeviceBuffer<float>(size_t(M * kf));
     }
     for (auto* b : {&L.mean1, &L.rstd1, &L.mean2, &L.rstd2}) *b = DeviceBuffer<float>(size_t(N));
+    L.lse = DeviceBuffer<float>(size_t(N * H));
     for (auto* b : {&L.zv, &L.zo}) *b = DeviceBuffer<float>(size_t(N * he));
     for (auto* b : {&L.wv, &L.wo}) *b = DeviceBuffer<float>(size_t(N * hk));
     for (auto* b : {&L.iv, &L.io}) *b = DeviceBuffer<int32_t>(size_t(N * hk));
@@ -237,7 +239,7 @@ void GpuModel::attention_forward(int64_t l) {
   mark(Part::kOther);
   cuda::to_bf16(L.v.get(), vsum_.get(), N * hd, stream_);
   mark(Part::kAttention);
-  attention_->forward(L.heads.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
+  attention_->forward(L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
   mark(Part::kOther);
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(L.x_mid.get(), x, size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   mark(Part::kExperts);
@@ -464,7 +466,8 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kOther);
   cuda::to_bf16(dheads_.get(), dheads_f32_.get(), N * hd, stream_);
   mark(Part::kAttention);
-  attention_->backward(dq_.get(), dk_.get(), dv_.get(), dheads_.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
+  attention_->backward(dq_.get(), dk_.get(), dv_.get(), dheads_.get(), L.heads.get(), L.lse.get(), L.q.get(), L.k.get(),
+                       L.v.get(), stream_);
   // Value experts read the raw residual: their input gradient adds onto dres.
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
   mark(Part::kExperts);

@@ -1,5 +1,7 @@
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/attention_cuda.h"
 #include "kernels/cuda_check.h"
@@ -52,11 +54,399 @@ __global__ void causal_softmax_backward(bf16* P_then_dS, const float* dP, int64_
   for (int j = lane; j <= i; j += 32) p[j] = __float2bfloat16(__bfloat162float(p[j]) * (dp[j] - dot));
 }
 
+// ---- Flash-style forward: no T×T scores in memory ----
+// One block: 64 query rows of one (sequence, head), 4 warps of 16 rows, keys taken 64 at a time
+// (causal: only tiles at or below the diagonal). Per tile: S = Q Kᵀ on mma.sync m16n8k16, an
+// online softmax in registers (running max and sum per row), P rounded to bf16 and O += P V.
+// kD: the head size padded to a multiple of 16 (zeros in the padding). Shared memory rows are
+// padded by 8 elements so ldmatrix's 8 row addresses fall in different banks.
+constexpr int kFlashRows = 64, kFlashThreads = 128;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+// d (16x8, fp32) += a (16x16, bf16, row) · b (16x8, bf16, col).
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Rows [row0, row0 + 64) of one head ([T] rows, `ld` elements apart, dh used) into smem rows of
+// kD + 8, zeros past dh and past T; 16-byte copies when rows allow them.
+template <int kD>
+__device__ void load_head_tile(bf16* dst, const bf16* src, int64_t ld, int row0, int T, int dh, bool vec) {
+  constexpr int kStride = kD + 8, kChunks = kD / 8;
+  for (int c = threadIdx.x; c < kFlashRows * kChunks; c += kFlashThreads) {
+    const int r = c / kChunks, d0 = (c % kChunks) * 8;
+    bf16* to = dst + r * kStride + d0;
+    const bf16* from = src + int64_t(row0 + r) * ld + d0;
+    const bool row_ok = row0 + r < T;
+    if (vec && row_ok && d0 + 8 <= dh) {
+      const unsigned addr = smem_u32(to);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(from));
+    } else {
+      for (int i = 0; i < 8; ++i) to[i] = row_ok && d0 + i < dh ? from[i] : __float2bfloat16(0.f);
+    }
+  }
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kFlashThreads) flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k,
+                                                                const bf16* v, int T, int H, int dh) {
+  constexpr int kStride = kD + 8, kTile = kFlashRows * kStride;
+  extern __shared__ __align__(16) unsigned char flash_smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(flash_smem);  // [64][kStride]
+  bf16* Ks = Qs + kTile;                            // [2][64][kStride]
+  bf16* Vs = Ks + 2 * kTile;                        // [2][64][kStride]
+  const int tiles = (T + kFlashRows - 1) / kFlashRows;
+  const int qt = tiles - 1 - int(blockIdx.x);  // longest rows first
+  const int bh = blockIdx.y, b = bh / H, h = bh % H;
+  const int64_t ld = int64_t(H) * dh, base = int64_t(b) * T * ld + int64_t(h) * dh;
+  const bool vec = dh % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(q + base) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(k + base) % 16 == 0 && reinterpret_cast<uintptr_t>(v + base) % 16 == 0;
+  const int q0 = qt * kFlashRows;
+
+  load_head_tile<kD>(Qs, q + base, ld, q0, T, dh, vec);
+  load_head_tile<kD>(Ks, k + base, ld, 0, T, dh, vec);
+  load_head_tile<kD>(Vs, v + base, ld, 0, T, dh, vec);
+  asm volatile("cp.async.commit_group;\n" ::);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;  // this thread's two query rows
+  constexpr float kLog2e = 1.4426950408889634f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+  float o[kD / 8][4];
+#pragma unroll
+  for (auto& t : o) t[0] = t[1] = t[2] = t[3] = 0.f;
+
+  for (int kt = 0; kt <= qt; ++kt) {
+    const int buf = kt & 1;
+    if (kt < qt) {  // the next key tile streams in while this one is used
+      load_head_tile<kD>(Ks + (buf ^ 1) * kTile, k + base, ld, (kt + 1) * kFlashRows, T, dh, vec);
+      load_head_tile<kD>(Vs + (buf ^ 1) * kTile, v + base, ld, (kt + 1) * kFlashRows, T, dh, vec);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 1;\n" ::);
+    __syncthreads();
+    const bf16* Kt = Ks + buf * kTile;
+    const bf16* Vt = Vs + buf * kTile;
+
+    // S (16 x 64 per warp) = Q Kᵀ: 8 tiles of 8 keys.
+    float s[8][4];
+#pragma unroll
+    for (auto& t : s) t[0] = t[1] = t[2] = t[3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, Qs + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {  // keys 8j..8j+15: (b0, b1) for two key tiles
+        uint32_t bk[4];
+        ldmatrix_x4(bk, Kt + (j * 8 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+        mma_16816(s[j], a, bk[0], bk[1]);
+        mma_16816(s[j + 1], a, bk[2], bk[3]);
+      }
+    }
+    // Causal mask on the diagonal tile; scores to base 2.
+    float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kt * kFlashRows + j * 8 + 2 * c + (e % 2), row = e < 2 ? row_a : row_b;
+        s[j][e] = key <= row ? s[j][e] * kLog2e : -INFINITY;
+        if (e < 2) mx_a = fmaxf(mx_a, s[j][e]);
+        else mx_b = fmaxf(mx_b, s[j][e]);
+      }
+#pragma unroll
+    for (int off = 1; off < 4; off *= 2) {  // the 4 threads of a row
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+    }
+    // Every row sees key 0 of the first tile (and key q0 of the diagonal one), so the running max
+    // is finite from the first tile on; the first correction is exp2(-inf) = 0.
+    const float corr_a = exp2f(m_a - mx_a), corr_b = exp2f(m_b - mx_b);
+    m_a = mx_a, m_b = mx_b;
+    float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s[j][0] = exp2f(s[j][0] - mx_a), s[j][1] = exp2f(s[j][1] - mx_a);
+      s[j][2] = exp2f(s[j][2] - mx_b), s[j][3] = exp2f(s[j][3] - mx_b);
+      sum_a += s[j][0] + s[j][1], sum_b += s[j][2] + s[j][3];
+    }
+    l_a = l_a * corr_a + sum_a, l_b = l_b * corr_b + sum_b;  // partial sums: the quad adds them at the end
+#pragma unroll
+    for (auto& t : o) t[0] *= corr_a, t[1] *= corr_a, t[2] *= corr_b, t[3] *= corr_b;
+    // O += P V: P's accumulators become the A operand directly (16 keys = two 8-key tiles).
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < kD / 8; n += 2) {  // head dims 8n..8n+15
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, Vt + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + n * 8 + (lane / 16) * 8);
+        mma_16816(o[n], a, bv[0], bv[1]);
+        mma_16816(o[n + 1], a, bv[2], bv[3]);
+      }
+    }
+    __syncthreads();  // this tile's buffers are refilled by the next step's copies
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
+#pragma unroll
+  for (int off = 1; off < 4; off *= 2) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+  }
+  const float inv_a = 1.f / l_a, inv_b = 1.f / l_b;
+  if (c == 0) {  // log2 of each row's softmax denominator, in the base-2 units of the scores
+    if (row_a < T) lse[int64_t(bh) * T + row_a] = m_a + log2f(l_a);
+    if (row_b < T) lse[int64_t(bh) * T + row_b] = m_b + log2f(l_b);
+  }
+#pragma unroll
+  for (int n = 0; n < kD / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = e < 2 ? row_a : row_b, d = n * 8 + 2 * c + (e % 2);
+      if (row < T && d < dh) out[base + int64_t(row) * ld + d] = __float2bfloat16(o[n][e] * (e < 2 ? inv_a : inv_b));
+    }
+}
+
+// ---- Flash-style backward ----
+// D[bh, t] = Σ_d dO[t, d] · O[t, d]: the row term of the softmax gradient. One warp per row.
+__global__ void flash_row_dots(float* D, const bf16* dout, const bf16* out, int64_t rows, int T, int H, int dh) {
+  const int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int64_t bh = r / T, t = r % T, b = bh / H, h = bh % H;
+  const int64_t at = (b * T + t) * int64_t(H) * dh + h * dh;
+  float sum = 0.f;
+  for (int d = threadIdx.x % 32; d < dh; d += 32) sum += __bfloat162float(dout[at + d]) * __bfloat162float(out[at + d]);
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (threadIdx.x % 32 == 0) D[r] = sum;
+}
+
+// dq (bf16) from its fp32 accumulator, same layout.
+__global__ void flash_dq_to_bf16(bf16* dq, const float* acc, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    dq[i] = __float2bfloat16(acc[i]);
+}
+
+// One block: 64 keys of one (sequence, head), 4 warps of 16 keys, dK and dV accumulated in
+// registers over the query tiles at and below the diagonal. Per query tile: Sᵀ = K Qᵀ,
+// Pᵀ = exp2(Sᵀ - lse), dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - D), dK += dSᵀ Q; dSᵀ goes
+// through shared memory for dQ += dS K, which is added into an fp32 accumulator atomically
+// (every key tile adds to the same query rows).
+template <int kD>
+__global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout,
+                                                                 const float* lse, const float* D, const bf16* q,
+                                                                 const bf16* k, const bf16* v, int T, int H, int dh) {
+  constexpr int kStride = kD + 8, kTile = kFlashRows * kStride, kSStride = kFlashRows + 8;
+  constexpr float kLog2e = 1.4426950408889634f;
+  extern __shared__ __align__(16) unsigned char flash_smem[];
+  bf16* Ks = reinterpret_cast<bf16*>(flash_smem);  // [64][kStride]
+  bf16* Vs = Ks + kTile;                            // [64][kStride]
+  bf16* Qs = Vs + kTile;                            // [2][64][kStride]
+  bf16* dOs = Qs + 2 * kTile;                       // [2][64][kStride]
+  bf16* dSs = dOs + 2 * kTile;                      // [64 keys][kSStride]
+  float* Ls = reinterpret_cast<float*>(dSs + kFlashRows * kSStride);  // [2][64]
+  float* Ds = Ls + 2 * kFlashRows;                                    // [2][64]
+
+  const int tiles = (T + kFlashRows - 1) / kFlashRows;
+  const int kt = int(blockIdx.x), bh = blockIdx.y, b = bh / H, h = bh % H;
+  const int64_t ld = int64_t(H) * dh, base = int64_t(b) * T * ld + int64_t(h) * dh;
+  const bool vec = dh % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(q + base) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(k + base) % 16 == 0 && reinterpret_cast<uintptr_t>(v + base) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(dout + base) % 16 == 0;
+  const int k0 = kt * kFlashRows;
+  auto load_query_tile = [&](int buf, int qt) {
+    load_head_tile<kD>(Qs + buf * kTile, q + base, ld, qt * kFlashRows, T, dh, vec);
+    load_head_tile<kD>(dOs + buf * kTile, dout + base, ld, qt * kFlashRows, T, dh, vec);
+    for (int r = threadIdx.x; r < kFlashRows; r += kFlashThreads) {  // rows past T: finite, contribute 0
+      const int t = qt * kFlashRows + r;
+      Ls[buf * kFlashRows + r] = t < T ? lse[int64_t(bh) * T + t] : 0.f;
+      Ds[buf * kFlashRows + r] = t < T ? D[int64_t(bh) * T + t] : 0.f;
+    }
+  };
+  load_head_tile<kD>(Ks, k + base, ld, k0, T, dh, vec);
+  load_head_tile<kD>(Vs, v + base, ld, k0, T, dh, vec);
+  load_query_tile(0, kt);
+  asm volatile("cp.async.commit_group;\n" ::);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;  // this thread's two keys
+  float dk_acc[kD / 8][4], dv_acc[kD / 8][4];
+#pragma unroll
+  for (int n = 0; n < kD / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.f;
+
+  for (int qt = kt; qt < tiles; ++qt) {
+    const int buf = (qt - kt) & 1;
+    if (qt + 1 < tiles) load_query_tile(buf ^ 1, qt + 1);
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 1;\n" ::);
+    __syncthreads();
+    const bf16* Qt = Qs + buf * kTile;
+    const bf16* dOt = dOs + buf * kTile;
+    const float* Lt = Ls + buf * kFlashRows;
+    const float* Dt = Ds + buf * kFlashRows;
+
+    // Sᵀ (16 keys x 64 queries per warp) and dPᵀ = V dOᵀ, both over the head dims.
+    float p[8][4], dp[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t ak[4], av[4];
+      ldmatrix_x4(ak, Ks + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+      ldmatrix_x4(av, Vs + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        uint32_t bq[4], bo[4];
+        ldmatrix_x4(bq, Qt + (j * 8 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+        ldmatrix_x4(bo, dOt + (j * 8 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+        mma_16816(p[j], ak, bq[0], bq[1]);
+        mma_16816(p[j + 1], ak, bq[2], bq[3]);
+        mma_16816(dp[j], av, bo[0], bo[1]);
+        mma_16816(dp[j + 1], av, bo[2], bo[3]);
+      }
+    }
+    // Pᵀ and dSᵀ: element (key, query) with query = qt·64 + 8j + 2c + e%2.
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = j * 8 + 2 * c + (e % 2), query = qt * kFlashRows + col, key = e < 2 ? key_a : key_b;
+        const float pe = key <= query ? exp2f(p[j][e] * kLog2e - Lt[col]) : 0.f;
+        p[j][e] = pe;
+        dp[j][e] = pe * (dp[j][e] - Dt[col]);  // dSᵀ
+      }
+    // dV += Pᵀ dO and dK += dSᵀ Q: Pᵀ, dSᵀ as A operands (16 queries a step), dO, Q as B (trans).
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t ap[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                              pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+      const uint32_t as[4] = {pack_bf16(dp[2 * kk][0], dp[2 * kk][1]), pack_bf16(dp[2 * kk][2], dp[2 * kk][3]),
+                              pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                              pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < kD / 8; n += 2) {
+        uint32_t bo[4], bq[4];
+        const int row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, col = n * 8 + (lane / 16) * 8;
+        ldmatrix_x4_trans(bo, dOt + row * kStride + col);
+        ldmatrix_x4_trans(bq, Qt + row * kStride + col);
+        mma_16816(dv_acc[n], ap, bo[0], bo[1]);
+        mma_16816(dv_acc[n + 1], ap, bo[2], bo[3]);
+        mma_16816(dk_acc[n], as, bq[0], bq[1]);
+        mma_16816(dk_acc[n + 1], as, bq[2], bq[3]);
+      }
+    }
+    // dSᵀ (bf16) to shared memory: rows keys, columns queries.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = j * 8 + 2 * c;
+      *reinterpret_cast<uint32_t*>(dSs + (warp * 16 + g) * kSStride + col) = pack_bf16(dp[j][0], dp[j][1]);
+      *reinterpret_cast<uint32_t*>(dSs + (warp * 16 + g + 8) * kSStride + col) = pack_bf16(dp[j][2], dp[j][3]);
+    }
+    __syncthreads();
+    // dQ (16 queries per warp x kD) = dS K over the 64 keys: dS from dSᵀ (trans), K as B (trans).
+    float dq[kD / 8][4];
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, dSs + (kk * 16 + lane % 8 + (lane / 16) * 8) * kSStride + warp * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+      for (int n = 0; n < kD / 8; n += 2) {
+        uint32_t bk[4];
+        ldmatrix_x4_trans(bk, Ks + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + n * 8 + (lane / 16) * 8);
+        mma_16816(dq[n], a, bk[0], bk[1]);
+        mma_16816(dq[n + 1], a, bk[2], bk[3]);
+      }
+    }
+    const int qa = qt * kFlashRows + warp * 16 + g, qb = qa + 8;
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int query = e < 2 ? qa : qb, d = n * 8 + 2 * c + (e % 2);
+        if (query < T && d < dh) atomicAdd(dq_acc + base + int64_t(query) * ld + d, dq[n][e]);
+      }
+    __syncthreads();  // Q, dO, dSᵀ of this tile are overwritten next
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
+#pragma unroll
+  for (int n = 0; n < kD / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = e < 2 ? key_a : key_b, d = n * 8 + 2 * c + (e % 2);
+      if (key < T && d < dh) {
+        dk[base + int64_t(key) * ld + d] = __float2bfloat16(dk_acc[n][e]);
+        dv[base + int64_t(key) * ld + d] = __float2bfloat16(dv_acc[n][e]);
+      }
+    }
+}
+
+template <int kD>
+void launch_flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T,
+                          int64_t H, int64_t dh, cudaStream_t stream) {
+  const size_t bytes = sizeof(bf16) * 5 * kFlashRows * (kD + 8);
+  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  const dim3 grid(unsigned((T + kFlashRows - 1) / kFlashRows), unsigned(B * H));
+  flash_forward<kD><<<grid, kFlashThreads, bytes, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh));
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int kD>
+void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const float* lse, const float* D,
+                           const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T, int64_t H, int64_t dh,
+                           cudaStream_t stream) {
+  const size_t bytes = sizeof(bf16) * (6 * kFlashRows * (kD + 8) + kFlashRows * (kFlashRows + 8)) +
+                       sizeof(float) * 4 * kFlashRows;
+  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_backward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  const dim3 grid(unsigned((T + kFlashRows - 1) / kFlashRows), unsigned(B * H));
+  flash_backward<kD><<<grid, kFlashThreads, bytes, stream>>>(dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H),
+                                                             int(dh));
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+}
+
+// Calls f with the padded head size (32, 64, 96 or 128) as a compile-time constant.
+template <class F>
+void with_padded_head(int64_t dh, F f) {
+  if (dh <= 32) f(std::integral_constant<int, 32>{});
+  else if (dh <= 64) f(std::integral_constant<int, 64>{});
+  else if (dh <= 96) f(std::integral_constant<int, 96>{});
+  else f(std::integral_constant<int, 128>{});
+}
+
 }  // namespace
 
 CausalAttention::CausalAttention(cublasHandle_t cublas, int64_t B, int64_t T, int64_t H, int64_t dh)
-    : cublas_(cublas), capacity_(B), B_(B), T_(T), H_(H), dh_(dh), scores_(size_t(B * H * T * T)),
-      probs_(size_t(B * H * T * T)) {}
+    : cublas_(cublas), capacity_(B), B_(B), T_(T), H_(H), dh_(dh) {
+  if (flash()) {
+    row_dots_ = DeviceBuffer<float>(size_t(B * H * T));
+    dq_acc_ = DeviceBuffer<float>(size_t(B * T * H * dh));
+  } else {
+    scores_ = DeviceBuffer<float>(size_t(B * H * T * T));
+    probs_ = DeviceBuffer<bf16>(size_t(B * H * T * T));
+  }
+}
 
 void CausalAttention::set_batch(int64_t B) {
   if (B < 0 || B > capacity_)
@@ -78,7 +468,12 @@ void CausalAttention::scores_and_probs(const bf16* q, const bf16* k, cudaStream_
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-void CausalAttention::forward(bf16* out, const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream) {
+void CausalAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream) {
+  if (B_ == 0) return;
+  if (flash()) {
+    with_padded_head(dh_, [&](auto kD) { launch_flash_forward<kD>(out, lse, q, k, v, B_, T_, H_, dh_, stream); });
+    return;
+  }
   scores_and_probs(q, k, stream);
   const int64_t ld = H_ * dh_, seq = T_ * ld, tt = T_ * T_;
   for (int64_t b = 0; b < B_; ++b)  // O = P V  <=>  Oᵀ(cm) = Vᵀ(cm) · Pᵀ(cm)
@@ -86,8 +481,22 @@ void CausalAttention::forward(bf16* out, const bf16* q, const bf16* k, const bf1
             probs_.get() + b * H_ * tt, T_, tt, out + b * seq, CUDA_R_16BF, ld, dh_, H_);
 }
 
-void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
-                               const bf16* v, cudaStream_t stream) {
+void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* out, const float* lse,
+                               const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream) {
+  if (B_ == 0) return;
+  if (flash()) {
+    const int64_t rows = B_ * H_ * T_, n = B_ * T_ * H_ * dh_;
+    flash_row_dots<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(row_dots_.get(), dout, out, rows, int(T_), int(H_),
+                                                                 int(dh_));
+    MOEUT_CUDA_CHECK(cudaGetLastError());
+    MOEUT_CUDA_CHECK(cudaMemsetAsync(dq_acc_.get(), 0, size_t(n) * sizeof(float), stream));
+    with_padded_head(dh_, [&](auto kD) {
+      launch_flash_backward<kD>(dk, dv, dq_acc_.get(), dout, lse, row_dots_.get(), q, k, v, B_, T_, H_, dh_, stream);
+    });
+    flash_dq_to_bf16<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(dq, dq_acc_.get(), n);
+    MOEUT_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   scores_and_probs(q, k, stream);
   const int64_t ld = H_ * dh_, seq = T_ * ld, tt = T_ * T_;
   float* dP = scores_.get();

@@ -1,7 +1,8 @@
-// Causal attention on the GPU (see attention.h for the definition): per (sequence, head), cuBLAS
-// products for the scores and the weighted sum, a fused causal softmax between them. Scores and
-// probabilities live in one workspace for one layer at a time; the backward pass recomputes
-// them from q and k instead of keeping them per layer.
+// Causal attention on the GPU (see attention.h for the definition). Head sizes up to 128:
+// flash-style kernels, forward and backward, with no scores in memory (the forward keeps each
+// row's log-sum-exp for the backward). Above 128: per (sequence, head), cuBLAS products for the
+// scores and the weighted sum with a fused causal softmax between them, one layer's scores in a
+// workspace, recomputed by the backward pass.
 #pragma once
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -19,17 +20,24 @@ class CausalAttention {
   // workspace is sized for B sequences; set_batch runs later calls on fewer.
   CausalAttention(cublasHandle_t cublas, int64_t B, int64_t T, int64_t H, int64_t dh);
   void set_batch(int64_t B);
-  void forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+  // lse [B, H, T] (fp32): written by the flash forward for its backward (log2 of each row's
+  // softmax denominator); unused above head size 128.
+  void forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                cudaStream_t stream);
-  // Overwrites dq, dk, dv.
+  // Overwrites dq, dk, dv. out and lse: the forward's.
   void backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
-                const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, cudaStream_t stream);
+                const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                const __nv_bfloat16* v, cudaStream_t stream);
 
  private:
+  bool flash() const { return dh_ <= 128; }
   void scores_and_probs(const __nv_bfloat16* q, const __nv_bfloat16* k, cudaStream_t stream);
 
   cublasHandle_t cublas_;
   int64_t capacity_, B_, T_, H_, dh_;
+  // Flash path: the softmax gradient's row terms and dq's fp32 accumulator.
+  DeviceBuffer<float> row_dots_, dq_acc_;
+  // cuBLAS path (head sizes above 128):
   DeviceBuffer<float> scores_;         // [B, H, T, T] fp32; the probability gradient in backward
   DeviceBuffer<__nv_bfloat16> probs_;  // [B, H, T, T]; the score gradient in backward
 };

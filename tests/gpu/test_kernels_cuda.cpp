@@ -223,7 +223,10 @@ TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {
   cublasHandle_t cublas;
   ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
   struct Case { int64_t B, T, H, dh; };
-  for (const Case& c : {Case{2, 1024, 2, 128}, Case{3, 100, 4, 82}}) {
+  // Head sizes of every profile (the flash kernels pad them to 32, 96 or 128), sequence lengths
+  // on and off their 64-row tiles, and one head size above 128 (the cuBLAS path).
+  for (const Case& c : {Case{2, 1024, 2, 128}, Case{3, 100, 4, 82}, Case{2, 130, 3, 96}, Case{4, 64, 2, 32},
+                        Case{1, 70, 2, 136}}) {
     SCOPED_TRACE("T " + std::to_string(c.T) + " dh " + std::to_string(c.dh));
     Rng rng{uint64_t(c.T + c.dh)};
     const int64_t n = c.B * c.T * c.H * c.dh;
@@ -237,8 +240,9 @@ TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {
     const std::vector<bf16> poison(n, __float2bfloat16(NAN));
     DeviceBuffer<bf16> gout(poison), gdq(poison), gdk(poison), gdv(poison);
     cuda::CausalAttention att(cublas, c.B, c.T, c.H, c.dh);
-    att.forward(gout.get(), gq.get(), gk.get(), gv.get(), 0);
-    att.backward(gdq.get(), gdk.get(), gdv.get(), gdout.get(), gq.get(), gk.get(), gv.get(), 0);
+    DeviceBuffer<float> lse(size_t(c.B * c.H * c.T));
+    att.forward(gout.get(), lse.get(), gq.get(), gk.get(), gv.get(), 0);
+    att.backward(gdq.get(), gdk.get(), gdv.get(), gdout.get(), gout.get(), lse.get(), gq.get(), gk.get(), gv.get(), 0);
     EXPECT_LE(rel_error(to_float(gout.download()), out), 1e-2) << "output";
     EXPECT_LE(rel_error(to_float(gdq.download()), dq), 1e-2) << "dq";
     EXPECT_LE(rel_error(to_float(gdk.download()), dk), 1e-2) << "dk";
