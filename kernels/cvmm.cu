@@ -79,65 +79,103 @@ __device__ __forceinline__ void pipeline(int steps, Load load, Landed landed, Mm
   __syncthreads();
 }
 
-// cvmm_rows: one block computes 128 selections of one expert x 128 output columns with two
-// warpgroups (wgmma m64n128k16, 64 rows each), K taken 64 at a time through a cp.async pipeline
-// of kStages 128-byte-swizzled stages. A (gathered rows) is K-major; B is K-major when W_e is
-// stored [N][K] (kTransW) and MN-major when stored [K][N]. The epilogue goes through shared
-// memory in fp32: weight, then store bf16 rows or scatter-add fp32 rows.
+// The row products' pieces: 128 selections of one expert x 128 output columns per tile, two
+// warpgroups (wgmma m64n128k16, 64 rows each), K in slabs of 64 in the 128-byte swizzled layout.
+// A (gathered rows) is K-major; B is K-major when W_e is stored [N][K] (kTransW) and MN-major when
+// stored [K][N].
 constexpr int BM = kCvmmTileRows, BN = 128, BK = 64, kRowsThreads = 256;
-constexpr int kStageBytes = (BM + BN) * BK * 2, kCStride = BN + kPadC;
+constexpr int kSlabA = BM * BK * 2, kSlabB = BN * BK * 2, kStageBytes = kSlabA + kSlabB, kCStride = BN + kPadC;
+constexpr size_t kSmemAlign = 1024;  // swizzled slabs start 1024-byte aligned
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + kSmemAlign - 1) & ~uintptr_t(kSmemAlign - 1));
+}
+
+// A tile's selections, looked up once into shared memory: input and output rows, the selection
+// itself (routing-weight gradients) and its routing weight. Returns how many rows are live.
+struct TileRows {
+  int32_t in[BM], out[BM], sel[BM];
+  float weight[BM];
+};
+__device__ int load_tile_rows(TileRows& t, const CvmmPlan& plan, const float* weight, int tile, int& expert) {
+  expert = plan.tile_expert[tile];
+  const int first = plan.tile_first[tile];
+  const int rows = int(min64(BM, plan.expert_begin[expert + 1] - first));
+  for (int r = threadIdx.x; r < BM; r += blockDim.x) {
+    const bool live = r < rows;
+    const int s = live ? plan.by_expert[first + r] : -1;
+    t.sel[r] = s;
+    t.in[r] = live ? plan.in_row[first + r] : -1;
+    t.out[r] = live ? plan.out_row[first + r] : -1;
+    t.weight[r] = live && weight ? weight[s] : 1.f;
+  }
+  __syncthreads();
+  return rows;
+}
+
+// One 64-deep slab of the tile's gathered rows, from column k0 of X [*, K].
+__device__ __forceinline__ void load_rows_slab(unsigned char* as, const bf16* X, const int32_t* in, int64_t K, int64_t k0,
+                                               bool aligned) {
+  for (int c = threadIdx.x; c < BM * BK / 8; c += kRowsThreads) {
+    const int r = c / (BK / 8), kc = c % (BK / 8);
+    const int valid = in[r] < 0 ? 0 : int(min64(8, K - (k0 + kc * 8)));
+    load8(reinterpret_cast<bf16*>(as + wgmma::swizzled_chunk(r, kc)), X + int64_t(max(in[r], 0)) * K + k0 + kc * 8,
+          valid, aligned);
+  }
+}
+// One 64-deep slab of W_e's 128 columns from n0: [N][K] rows n (kTransW), or [K][N] rows k as two
+// slabs of 64 n.
+template <bool kTransW>
+__device__ __forceinline__ void load_weight_slab(unsigned char* bs, const bf16* We, int64_t K, int64_t N, int64_t k0,
+                                                 int64_t n0, bool aligned) {
+  if constexpr (kTransW) {
+    for (int c = threadIdx.x; c < BN * BK / 8; c += kRowsThreads) {
+      const int n = c / (BK / 8), kc = c % (BK / 8);
+      const int valid = n0 + n < N ? int(min64(8, K - (k0 + kc * 8))) : 0;
+      load8(reinterpret_cast<bf16*>(bs + wgmma::swizzled_chunk(n, kc)), We + (n0 + n) * K + k0 + kc * 8, valid, aligned);
+    }
+  } else {
+    for (int c = threadIdx.x; c < BK * BN / 8; c += kRowsThreads) {
+      const int k = c / (BN / 8), nc = c % (BN / 8);
+      const int valid = k0 + k < K ? int(min64(8, N - (n0 + nc * 8))) : 0;
+      load8(reinterpret_cast<bf16*>(bs + (nc / 8) * (BK * 128) + wgmma::swizzled_chunk(k, nc % 8)),
+            We + (k0 + k) * N + n0 + nc * 8, valid, aligned);
+    }
+  }
+}
+// acc (+)= this warpgroup's 64 rows of the slab at `as` times the weight slab at `bs`;
+// accumulate = false starts acc over.
+template <bool kTransW>
+__device__ __forceinline__ void mma_slab(float (&acc)[64], const unsigned char* as, const unsigned char* bs, int wg,
+                                         bool accumulate) {
+  const uint32_t a_addr = wgmma::smem_address(as + wg * 64 * 128), b_addr = wgmma::smem_address(bs);
+#pragma unroll
+  for (int k16 = 0; k16 < BK / 16; ++k16) {
+    const uint64_t b = kTransW ? wgmma::k_major(b_addr, k16) : wgmma::mn_major(b_addr, BK * 128, k16);
+    wgmma::mma_m64n128k16<0, kTransW ? 0 : 1>(acc, wgmma::k_major(a_addr, k16), b, accumulate || k16 > 0);
+  }
+}
+
+// cvmm_rows, general: one block per (row tile, 128 output columns), K through a cp.async pipeline
+// of kStages stages. The epilogue goes through shared memory in fp32: weight, then store bf16
+// rows or scatter-add fp32 rows.
 constexpr size_t rows_smem_bytes(int stages) {
-  return 1024 + std::max<size_t>(size_t(stages) * kStageBytes, sizeof(float) * BM * kCStride);  // +1024: alignment
+  return kSmemAlign + std::max<size_t>(size_t(stages) * kStageBytes, sizeof(float) * BM * kCStride);
 }
 
 template <bool kTransW, int kStages>
 __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, CvmmRowsArgs a) {
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem = aligned_smem(smem_raw);
   float* Cs = reinterpret_cast<float*>(smem);  // [BM][kCStride], after the loop
-  __shared__ int32_t s_in[BM], s_out[BM], s_sel[BM];
-  __shared__ float s_weight[BM];  // routing weights, looked up once (the epilogue reads them per row)
+  __shared__ TileRows tr;
 
   if (int(blockIdx.x) >= *plan.live_tiles) return;  // past this plan's tiles (see CvmmPlan)
-  const int tile = blockIdx.x, n0 = blockIdx.y * BN;
-  const int e = plan.tile_expert[tile], first = plan.tile_first[tile];
-  const int rows = int(min64(BM, plan.expert_begin[e + 1] - first));
+  int e;
+  const int rows = load_tile_rows(tr, plan, a.weight, blockIdx.x, e);
+  const int n0 = blockIdx.y * BN;
   const int64_t K = a.K, N = a.N;
-  for (int r = threadIdx.x; r < BM; r += kRowsThreads) {
-    const int s = r < rows ? plan.by_expert[first + r] : -1;
-    s_sel[r] = s;
-    s_in[r] = s >= 0 ? plan.in_row[s] : -1;
-    s_out[r] = s >= 0 ? plan.out_row[s] : -1;
-    s_weight[r] = s >= 0 && a.weight ? a.weight[s] : 1.f;
-  }
-  __syncthreads();
   const bf16* We = a.W + int64_t(e) * K * N;
   const bool x_aligned = vectorizable(a.X, K), w_aligned = vectorizable(We, kTransW ? K : N);
-
-  auto load_stage = [&](int stage, int64_t k0) {
-    unsigned char* as = smem + stage * kStageBytes;
-    unsigned char* bs = as + BM * BK * 2;
-    for (int c = threadIdx.x; c < BM * BK / 8; c += kRowsThreads) {  // A: gathered rows, K-major
-      const int r = c / (BK / 8), kc = c % (BK / 8);
-      const int valid = s_in[r] < 0 ? 0 : int(min64(8, K - (k0 + kc * 8)));
-      load8(reinterpret_cast<bf16*>(as + wgmma::swizzled_chunk(r, kc)), a.X + int64_t(max(s_in[r], 0)) * K + k0 + kc * 8,
-            valid, x_aligned);
-    }
-    if constexpr (kTransW) {  // W_e [N][K]: rows n, one slab of 64 k
-      for (int c = threadIdx.x; c < BN * BK / 8; c += kRowsThreads) {
-        const int n = c / (BK / 8), kc = c % (BK / 8);
-        const int valid = n0 + n < N ? int(min64(8, K - (k0 + kc * 8))) : 0;
-        load8(reinterpret_cast<bf16*>(bs + wgmma::swizzled_chunk(n, kc)), We + (n0 + n) * K + k0 + kc * 8, valid, w_aligned);
-      }
-    } else {  // W_e [K][N]: rows k, two slabs of 64 n
-      for (int c = threadIdx.x; c < BK * BN / 8; c += kRowsThreads) {
-        const int k = c / (BN / 8), nc = c % (BN / 8);
-        const int valid = k0 + k < K ? int(min64(8, N - (n0 + nc * 8))) : 0;
-        load8(reinterpret_cast<bf16*>(bs + (nc / 8) * (BK * 128) + wgmma::swizzled_chunk(k, nc % 8)),
-              We + (k0 + k) * N + n0 + nc * 8, valid, w_aligned);
-      }
-    }
-  };
 
   const int wg = threadIdx.x / 128;
   const bool wg_live = wg * 64 < rows;  // a warpgroup whose 64 rows are all past the tile's end idles
@@ -145,17 +183,18 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 #pragma unroll
   for (auto& v : acc) v = 0.f;
   pipeline<kStages>(
-      int((K + BK - 1) / BK), [&](int stage, int kt) { load_stage(stage, int64_t(kt) * BK); }, [](int, int) {},
+      int((K + BK - 1) / BK),
+      [&](int stage, int kt) {
+        unsigned char* as = smem + stage * kStageBytes;
+        load_rows_slab(as, a.X, tr.in, K, int64_t(kt) * BK, x_aligned);
+        load_weight_slab<kTransW>(as + kSlabA, We, K, N, int64_t(kt) * BK, n0, w_aligned);
+      },
+      [](int, int) {},
       [&](int stage) {
         if (!wg_live) return;
         const unsigned char* as = smem + stage * kStageBytes;
-        const uint32_t a_addr = wgmma::smem_address(as + wg * 64 * 128), b_addr = wgmma::smem_address(as + BM * BK * 2);
         wgmma::fence();
-#pragma unroll
-        for (int k16 = 0; k16 < BK / 16; ++k16) {
-          const uint64_t b = kTransW ? wgmma::k_major(b_addr, k16) : wgmma::mn_major(b_addr, BK * 128, k16);
-          wgmma::mma_m64n128k16<0, kTransW ? 0 : 1>(acc, wgmma::k_major(a_addr, k16), b, true);
-        }
+        mma_slab<kTransW>(acc, as, as + kSlabA, wg, true);
         wgmma::commit();
       });
 #pragma unroll
@@ -171,7 +210,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
     for (int r = threadIdx.x / 16; r < BM; r += kRowsThreads / 16) {
       float sum = 0.f;
       if (r < rows) {
-        const bf16* dot = a.dot_rows + int64_t(s_out[r]) * N + n0 + n;
+        const bf16* dot = a.dot_rows + int64_t(tr.out[r]) * N + n0 + n;
         alignas(16) bf16 v[8];
         if (whole) *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(dot);
         else
@@ -184,14 +223,14 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
       }
 #pragma unroll
       for (int offset = 8; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      if (threadIdx.x % 16 == 0 && r < rows) atomicAdd(a.dweight + s_sel[r], sum);
+      if (threadIdx.x % 16 == 0 && r < rows) atomicAdd(a.dweight + tr.sel[r], sum);
     }
   }
   if (a.accumulate && N % 4 == 0 && n_valid % 4 == 0 && reinterpret_cast<uintptr_t>(a.out_f32) % 16 == 0) {
     // Scatter: 32 threads per row, 4 columns each, one 16-byte vector atomic per thread.
     for (int r = threadIdx.x / 32; r < rows; r += kRowsThreads / 32) {
-      const float w = s_weight[r];
-      float* base = a.out_f32 + int64_t(s_out[r]) * N + n0;
+      const float w = tr.weight[r];
+      float* base = a.out_f32 + int64_t(tr.out[r]) * N + n0;
       for (int n = (threadIdx.x % 32) * 4; n < n_valid; n += 128) {
         const float* c = Cs + r * kCStride + n;
         atomicAdd(reinterpret_cast<float4*>(base + n), make_float4(w * c[0], w * c[1], w * c[2], w * c[3]));
@@ -210,8 +249,8 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
     // Rows of bf16: 16 threads per row, 8 columns (one 16-byte store) each.
     for (int i = threadIdx.x; i < rows * (BN / 8); i += kRowsThreads) {
       const int r = i / (BN / 8), n = (i % (BN / 8)) * 8;
-      const float w = s_weight[r];
-      const int64_t at = int64_t(s_out[r]) * N + n0 + n;
+      const float w = tr.weight[r];
+      const int64_t at = int64_t(tr.out[r]) * N + n0 + n;
       alignas(16) bf16 v[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = stored(w * Cs[r * kCStride + n + j], at + j);
@@ -220,8 +259,8 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
     return;
   }
   for (int r = 0; r < rows; ++r) {  // one row at a time: consecutive threads, consecutive columns
-    const float w = s_weight[r];
-    const int64_t base = int64_t(s_out[r]) * N + n0;
+    const float w = tr.weight[r];
+    const int64_t base = int64_t(tr.out[r]) * N + n0;
     for (int n = threadIdx.x; n < n_valid; n += kRowsThreads) {
       const float v = w * Cs[r * kCStride + n];
       if (a.accumulate) atomicAdd(a.out_f32 + base + n, v);
@@ -240,7 +279,7 @@ static_assert((WM + WN) * WS * 2 == kStageBytes, "weight-gradient stages share t
 template <int kStages>
 __global__ void __launch_bounds__(kRowsThreads, 2) cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a) {
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem = aligned_smem(smem_raw);
   const int64_t K = a.K, N = a.N;
   const int64_t n_tiles_n = (N + WN - 1) / WN;
   const int64_t k0 = (blockIdx.x / n_tiles_n) * WM, n0 = (blockIdx.x % n_tiles_n) * WN;
@@ -254,8 +293,8 @@ __global__ void __launch_bounds__(kRowsThreads, 2) cvmm_weight_grad_kernel(CvmmP
   constexpr int kSlabBytes = WS * 128;
   auto chunk_offset = [&](int r) { return (chunk / 8) * kSlabBytes + wgmma::swizzled_chunk(r, chunk % 8); };
 
-  // The rows (and routing weights) of a step are looked up one step ahead, so the dependent
-  // index loads overlap the products instead of stalling the copies that need them.
+  // The rows (and routing weights) of a step are looked up one step ahead, so the index loads
+  // overlap the products instead of stalling the copies that need them.
   int64_t arow[4], brow[4];
   float w[4];
   auto look_up = [&](int step) {
@@ -264,8 +303,8 @@ __global__ void __launch_bounds__(kRowsThreads, 2) cvmm_weight_grad_kernel(CvmmP
       const int64_t p = begin + int64_t(step) * WS + row0 + 16 * i;
       const bool live = p < end;
       const int s = live ? plan.by_expert[p] : 0;
-      arow[i] = !live ? -1 : a.a_by_in_row ? plan.in_row[s] : plan.out_row[s];
-      brow[i] = !live ? -1 : a.a_by_in_row ? plan.out_row[s] : plan.in_row[s];
+      arow[i] = !live ? -1 : a.a_by_in_row ? plan.in_row[p] : plan.out_row[p];
+      brow[i] = !live ? -1 : a.a_by_in_row ? plan.out_row[p] : plan.in_row[p];
       w[i] = live && a.weight ? a.weight[s] : 1.f;
     }
   };
@@ -346,8 +385,13 @@ std::vector<int32_t> tile_list(const CvmmSelection& sel, bool experts) {
 }  // namespace
 
 DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
-  in_row = DeviceBuffer<int32_t>(sel.in_row);
-  out_row = DeviceBuffer<int32_t>(sel.out_row);
+  std::vector<int32_t> in_by_position(sel.by_expert.size()), out_by_position(sel.by_expert.size());
+  for (size_t p = 0; p < sel.by_expert.size(); ++p) {
+    in_by_position[p] = sel.in_row[size_t(sel.by_expert[p])];
+    out_by_position[p] = sel.out_row[size_t(sel.by_expert[p])];
+  }
+  in_row = DeviceBuffer<int32_t>(in_by_position);
+  out_row = DeviceBuffer<int32_t>(out_by_position);
   by_expert = DeviceBuffer<int32_t>(sel.by_expert);
   const std::vector<int32_t> experts = tile_list(sel, true);
   tile_expert = DeviceBuffer<int32_t>(experts);
@@ -358,29 +402,44 @@ DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
 }
 
 CvmmPlan CvmmPlanBuffers::view(bool swapped) const {
-  return {swapped ? out_row.get() : in_row.get(), swapped ? in_row.get() : out_row.get(), by_expert.get(),
+  return {by_expert.get(), swapped ? out_row.get() : in_row.get(), swapped ? in_row.get() : out_row.get(),
           expert_begin.get(), tile_expert.get(), tile_first.get(), live_tiles.get(), tiles};
 }
 
 namespace {
 
-__global__ void route_keys(int32_t* key, int32_t* order, int32_t* in_row, int32_t* out_row, const int32_t* index,
-                           int64_t n_sel, int groups, int E, int k, CvmmRoute route) {
+__global__ void route_keys(int32_t* key, int32_t* order, const int32_t* index, int64_t n_sel, int groups, int E,
+                           int k) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_sel) return;
-  const int64_t tg = i / k, t = tg / groups;  // tg = t·groups + g
-  const int g = int(tg % groups);
+  const int g = int((i / k) % groups);
   // A negative index is a selection this rank does not compute (its expert lives on another
   // rank): it sorts past the last expert and no tile covers it.
   key[i] = index[i] < 0 ? groups * E : g * E + index[i];
   order[i] = int32_t(i);
-  in_row[i] = int32_t(route == CvmmRoute::kGroupRowsToTokens ? tg : t);
-  out_row[i] = int32_t(route == CvmmRoute::kGatherToGroupRows ? tg : route == CvmmRoute::kGatherToSelections ? i : t);
 }
 
-__global__ void count_experts(int32_t* counts, const int32_t* key, int64_t n_sel, int experts) {
+// The rows of the selection at each position, in position order: the products' tiles read
+// them with one load each instead of a second load through by_expert.
+__global__ void rows_by_position(int32_t* in_row, int32_t* out_row, const int32_t* by_expert, int64_t n_sel,
+                                 int groups, int k, CvmmRoute route) {
+  const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p >= n_sel) return;
+  const int64_t i = by_expert[p], tg = i / k, t = tg / groups;  // i = (t·groups + g)·k + j
+  in_row[p] = int32_t(route == CvmmRoute::kGroupRowsToTokens ? tg : t);
+  out_row[p] = int32_t(route == CvmmRoute::kGatherToGroupRows ? tg : route == CvmmRoute::kGatherToSelections ? i : t);
+}
+
+// Over the sorted keys: the lanes of a warp mostly share one expert, so one atomic per run of
+// equal keys in the warp (one per selection serialised hundreds deep on each counter).
+__global__ void count_experts(int32_t* counts, const int32_t* sorted_key, int64_t n_sel, int experts) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n_sel && key[i] < experts) atomicAdd(counts + key[i], 1);
+  const bool live = i < n_sel && sorted_key[i] < experts;
+  const unsigned lanes = __ballot_sync(0xffffffffu, live);
+  if (!live) return;
+  const int key = sorted_key[i];
+  const unsigned peers = __match_any_sync(lanes, key);
+  if (int(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(counts + key, __popc(peers));
 }
 
 // Expert offsets and row tiles from the counts, in one block: a scan of counts and tile counts
@@ -459,8 +518,7 @@ void CvmmPlanner::build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, 
   MOEUT_CUDA_CHECK(cudaMemsetAsync(counts_.get(), 0, size_t(experts) * sizeof(int32_t), stream));
   if (sels > 0) {
     const unsigned blocks = unsigned((sels + 255) / 256);
-    route_keys<<<blocks, 256, 0, stream>>>(keys_.get(), order_.get(), plan.in_row.get(), plan.out_row.get(), index, sels,
-                                           int(groups), int(E), int(k), route);
+    route_keys<<<blocks, 256, 0, stream>>>(keys_.get(), order_.get(), index, sels, int(groups), int(E), int(k));
     MOEUT_CUDA_CHECK(cudaGetLastError());
     int end_bit = 1;
     while ((int64_t(1) << end_bit) <= experts) ++end_bit;  // keys run to `experts` (not computed here)
@@ -468,7 +526,10 @@ void CvmmPlanner::build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, 
     // Stable: selections of one expert keep their order, so results repeat run to run.
     MOEUT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_scratch_.get(), bytes, keys_.get(), sorted_keys_.get(),
                                                      order_.get(), plan.by_expert.get(), int(sels), 0, end_bit, stream));
-    count_experts<<<blocks, 256, 0, stream>>>(counts_.get(), keys_.get(), sels, int(experts));
+    rows_by_position<<<blocks, 256, 0, stream>>>(plan.in_row.get(), plan.out_row.get(), plan.by_expert.get(), sels,
+                                                 int(groups), int(k), route);
+    MOEUT_CUDA_CHECK(cudaGetLastError());
+    count_experts<<<blocks, 256, 0, stream>>>(counts_.get(), sorted_keys_.get(), sels, int(experts));
     MOEUT_CUDA_CHECK(cudaGetLastError());
   }
   offsets_and_tiles<<<1, kPlanThreads, 0, stream>>>(plan.expert_begin.get(), plan.tile_expert.get(), plan.tile_first.get(),
@@ -489,7 +550,8 @@ void launch_with_smem(Kernel kernel, int stages, dim3 grid, cudaStream_t stream,
 // Three stages keep two blocks per SM (96 KB each); short products (K <= 128, two k-steps) need
 // only two.
 template <bool kTransW>
-void launch_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, dim3 grid, cudaStream_t stream) {
+void launch_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
+  const dim3 grid(unsigned(plan.tiles), unsigned((a.N + BN - 1) / BN));
   if (a.K <= 2 * BK) launch_with_smem(cvmm_rows_kernel<kTransW, 2>, 2, grid, stream, plan, a);
   else launch_with_smem(cvmm_rows_kernel<kTransW, 3>, 3, grid, stream, plan, a);
 }
@@ -499,9 +561,8 @@ void launch_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, dim3 grid, cudaStr
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   if (plan.tiles == 0) return;
   if (a.accumulate ? !a.out_f32 : !a.out) throw std::invalid_argument("cvmm_rows: output buffer missing");
-  const dim3 grid(unsigned(plan.tiles), unsigned((a.N + BN - 1) / BN));
-  if (a.transpose_w) launch_rows<true>(plan, a, grid, stream);
-  else launch_rows<false>(plan, a, grid, stream);
+  if (a.transpose_w) launch_rows<true>(plan, a, stream);
+  else launch_rows<false>(plan, a, stream);
 }
 
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {

@@ -17,9 +17,11 @@ namespace moeut::cuda {
 // launch `tiles` blocks (an upper bound known on the host) and those past *live_tiles (the
 // count, known on the device) return at once, so planning needs no host synchronisation.
 struct CvmmPlan {
-  const int32_t* in_row;     // [n] row of the product's input read by each selection
-  const int32_t* out_row;    // [n] row of the output each selection writes
   const int32_t* by_expert;  // [n] selections ordered by expert
+  // [n] in by_expert's order: the row of the product's input that the selection at each position
+  // reads, and the row of the output it writes.
+  const int32_t* in_row;
+  const int32_t* out_row;
   const int64_t* expert_begin;  // [experts + 1] offsets into by_expert
   const int32_t* tile_expert;   // [tiles]
   const int32_t* tile_first;    // [tiles] first position (into by_expert) of the tile

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <initializer_list>
 
 #include "kernels/cuda_check.h"
 #include "kernels/layernorm.h"
@@ -12,9 +13,61 @@ __device__ inline float warp_sum(float v) {
   return v;
 }
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8, kBackwardWarps = 4;
 
-// One warp per row.
+// V consecutive columns (V = 4: one 16-byte load of fp32, 8 bytes of bf16; V = 1 otherwise).
+template <int V>
+struct Cols {
+  float v[V];
+};
+template <int V>
+__device__ __forceinline__ Cols<V> load_cols(const float* p) {
+  if constexpr (V == 4) {
+    const float4 t = *reinterpret_cast<const float4*>(p);
+    return {{t.x, t.y, t.z, t.w}};
+  } else {
+    return {{p[0]}};
+  }
+}
+template <int V>
+__device__ __forceinline__ void store_cols(float* p, const Cols<V>& c) {
+  if constexpr (V == 4) *reinterpret_cast<float4*>(p) = make_float4(c.v[0], c.v[1], c.v[2], c.v[3]);
+  else p[0] = c.v[0];
+}
+template <int V>
+__device__ __forceinline__ Cols<V> load_cols(const __nv_bfloat16* p) {
+  if constexpr (V == 4) {
+    const uint2 t = *reinterpret_cast<const uint2*>(p);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.y));
+    return {{lo.x, lo.y, hi.x, hi.y}};
+  } else {
+    return {{__bfloat162float(p[0])}};
+  }
+}
+template <int V>
+__device__ __forceinline__ void store_cols(__nv_bfloat16* p, const Cols<V>& c) {
+  if constexpr (V == 4) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(c.v[0], c.v[1]), hi = __floats2bfloat162_rn(c.v[2], c.v[3]);
+    uint2 t;
+    t.x = *reinterpret_cast<const uint32_t*>(&lo);
+    t.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(p) = t;
+  } else {
+    p[0] = __float2bfloat16(c.v[0]);
+  }
+}
+
+// V = 4 needs d a multiple of 4 and every row start aligned for its loads.
+bool four_wide(int64_t d, std::initializer_list<const void*> fp32, std::initializer_list<const void*> bf16) {
+  bool ok = d % 4 == 0;
+  for (const void* p : fp32) ok = ok && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  for (const void* p : bf16) ok = ok && reinterpret_cast<uintptr_t>(p) % 8 == 0;
+  return ok;
+}
+
+// One warp per row, V columns per lane at a time.
+template <int V>
 __global__ void layernorm_forward_kernel(__nv_bfloat16* out, float* mean, float* rstd, const float* x,
                                          const __nv_bfloat16* w, const __nv_bfloat16* b, int64_t n, int d) {
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -22,51 +75,83 @@ __global__ void layernorm_forward_kernel(__nv_bfloat16* out, float* mean, float*
   if (row >= n) return;
   const float* xr = x + row * d;
   float s = 0.f;
-  for (int i = lane; i < d; i += 32) s += xr[i];
+  for (int i = lane * V; i < d; i += 32 * V) {
+    const Cols<V> xv = load_cols<V>(xr + i);
+#pragma unroll
+    for (int k = 0; k < V; ++k) s += xv.v[k];
+  }
   const float mu = warp_sum(s) / float(d);
   float v = 0.f;
-  for (int i = lane; i < d; i += 32) v += (xr[i] - mu) * (xr[i] - mu);
+  for (int i = lane * V; i < d; i += 32 * V) {
+    const Cols<V> xv = load_cols<V>(xr + i);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v += (xv.v[k] - mu) * (xv.v[k] - mu);
+  }
   const float rs = rsqrtf(warp_sum(v) / float(d) + float(kLayerNormEps));
-  for (int i = lane; i < d; i += 32)
-    out[row * d + i] = __float2bfloat16((xr[i] - mu) * rs * __bfloat162float(w[i]) + __bfloat162float(b[i]));
+  for (int i = lane * V; i < d; i += 32 * V) {
+    const Cols<V> xv = load_cols<V>(xr + i), wv = load_cols<V>(w + i), bv = load_cols<V>(b + i);
+    Cols<V> o;
+#pragma unroll
+    for (int k = 0; k < V; ++k) o.v[k] = (xv.v[k] - mu) * rs * wv.v[k] + bv.v[k];
+    store_cols<V>(out + row * d + i, o);
+  }
   if (lane == 0) {
     mean[row] = mu;
     rstd[row] = rs;
   }
 }
 
-// One warp per row, rows strided over the grid; each block sums its rows' parameter gradients
-// in shared memory and adds them to the global ones once.
+// One warp per row, rows strided over the grid, V columns per lane at a time. Each warp adds its
+// rows' parameter gradients into its own slice of shared memory (lanes own their columns, so no
+// atomics), and the block adds the slices into the global gradients once.
+template <int V>
 __global__ void layernorm_backward_kernel(float* dx, float* dw, float* db, const float* dout, const float* x,
                                           const __nv_bfloat16* w, const float* mean, const float* rstd, int64_t n,
                                           int d) {
-  extern __shared__ float acc[];  // [2][d]
-  for (int i = threadIdx.x; i < 2 * d; i += blockDim.x) acc[i] = 0.f;
+  extern __shared__ float acc[];  // [kBackwardWarps][2][d]
+  for (int i = threadIdx.x; i < kBackwardWarps * 2 * d; i += blockDim.x) acc[i] = 0.f;
   __syncthreads();
-  const int lane = threadIdx.x % 32;
-  for (int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; row < n; row += int64_t(gridDim.x) * kWarps) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* dw_acc = acc + warp * 2 * d;
+  float* db_acc = dw_acc + d;
+  for (int64_t row = int64_t(blockIdx.x) * kBackwardWarps + warp; row < n; row += int64_t(gridDim.x) * kBackwardWarps) {
     const float* xr = x + row * d;
     const float* gr = dout + row * d;
     const float mu = mean[row], rs = rstd[row];
     float g_mean = 0.f, gx_mean = 0.f;
-    for (int i = lane; i < d; i += 32) {
-      const float g = gr[i] * __bfloat162float(w[i]);
-      g_mean += g;
-      gx_mean += g * (xr[i] - mu) * rs;
+    for (int i = lane * V; i < d; i += 32 * V) {
+      const Cols<V> gv = load_cols<V>(gr + i), xv = load_cols<V>(xr + i), wv = load_cols<V>(w + i);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float g = gv.v[k] * wv.v[k];
+        g_mean += g;
+        gx_mean += g * (xv.v[k] - mu) * rs;
+      }
     }
     g_mean = warp_sum(g_mean) / float(d);
     gx_mean = warp_sum(gx_mean) / float(d);
-    for (int i = lane; i < d; i += 32) {
-      const float xhat = (xr[i] - mu) * rs;
-      dx[row * d + i] += rs * (gr[i] * __bfloat162float(w[i]) - g_mean - xhat * gx_mean);
-      atomicAdd(&acc[i], gr[i] * xhat);
-      atomicAdd(&acc[d + i], gr[i]);
+    for (int i = lane * V; i < d; i += 32 * V) {
+      const Cols<V> gv = load_cols<V>(gr + i), xv = load_cols<V>(xr + i), wv = load_cols<V>(w + i);
+      Cols<V> dxv = load_cols<V>(dx + row * d + i), dwv = load_cols<V>(dw_acc + i), dbv = load_cols<V>(db_acc + i);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float xhat = (xv.v[k] - mu) * rs;
+        dxv.v[k] += rs * (gv.v[k] * wv.v[k] - g_mean - xhat * gx_mean);
+        dwv.v[k] += gv.v[k] * xhat;
+        dbv.v[k] += gv.v[k];
+      }
+      store_cols<V>(dx + row * d + i, dxv);
+      store_cols<V>(dw_acc + i, dwv);
+      store_cols<V>(db_acc + i, dbv);
     }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    atomicAdd(dw + i, acc[i]);
-    atomicAdd(db + i, acc[d + i]);
+    float sw = 0.f, sb = 0.f;
+#pragma unroll
+    for (int k = 0; k < kBackwardWarps; ++k) sw += acc[k * 2 * d + i], sb += acc[k * 2 * d + d + i];
+    atomicAdd(dw + i, sw);
+    atomicAdd(db + i, sb);
   }
 }
 
@@ -75,8 +160,11 @@ __global__ void layernorm_backward_kernel(float* dx, float* dw, float* db, const
 void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float* x, const __nv_bfloat16* weight,
                        const __nv_bfloat16* bias, int64_t n, int64_t d, cudaStream_t stream) {
   if (n == 0) return;
-  layernorm_forward_kernel<<<unsigned((n + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(out, mean, rstd, x, weight,
-                                                                                           bias, n, int(d));
+  const unsigned blocks = unsigned((n + kWarps - 1) / kWarps);
+  if (four_wide(d, {x}, {out, weight, bias}))
+    layernorm_forward_kernel<4><<<blocks, kWarps * 32, 0, stream>>>(out, mean, rstd, x, weight, bias, n, int(d));
+  else
+    layernorm_forward_kernel<1><<<blocks, kWarps * 32, 0, stream>>>(out, mean, rstd, x, weight, bias, n, int(d));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -84,9 +172,16 @@ void layernorm_backward(float* dx, float* dweight, float* dbias, const float* do
                         const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
                         cudaStream_t stream) {
   if (n == 0) return;
-  const unsigned blocks = unsigned(std::min<int64_t>((n + kWarps - 1) / kWarps, 264));
-  layernorm_backward_kernel<<<blocks, kWarps * 32, 2 * d * sizeof(float), stream>>>(dx, dweight, dbias, dout, x, weight,
-                                                                                   mean, rstd, n, int(d));
+  // At most 1056 blocks (8 per SM of an H100): each block's partial sums cost one pass of atomics
+  // over d at its end.
+  const unsigned blocks = unsigned(std::min<int64_t>((n + kBackwardWarps - 1) / kBackwardWarps, 1056));
+  const size_t smem = size_t(kBackwardWarps) * 2 * size_t(d) * sizeof(float);
+  auto launch = [&](auto kernel) {
+    MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    kernel<<<blocks, kBackwardWarps * 32, smem, stream>>>(dx, dweight, dbias, dout, x, weight, mean, rstd, n, int(d));
+  };
+  if (four_wide(d, {dx, dout, x}, {weight})) launch(layernorm_backward_kernel<4>);
+  else launch(layernorm_backward_kernel<1>);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,6 +1,7 @@
 // The CUDA cvmm kernels against the CPU reference (kernels/cvmm.cpp) on random inputs: the four
 // expert products of a σ-MoE layer, forward and backward, at several shapes, including widths
-// that are not multiples of 8, skewed routing and experts that receive nothing. bf16 operands
+// that are not multiples of 8, skewed routing and experts that receive nothing; the scatter
+// product with a routing-weight gradient (the attention value experts' input gradient). bf16 operands
 // are rounded once on the host and the reference computes on the same rounded values.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
@@ -111,6 +112,16 @@ void check(const Shape& s) {
     cuda::cvmm_weight_grad(plan_up.view(), {gX.get(), gdH.get(), nullptr, true, gdWk.get(), d, es, E}, 0);
     EXPECT_LE(rel_error(gdX.download(), dX_ref), 1e-3) << "up: input gradient";
     EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient";
+  }
+  {  // the same, weighted, with the routing-weight gradient (the attention value experts' shape):
+     // dX[t] += Σ w · dH[s] · keys_eᵀ, dw = (dH[s] · keys_eᵀ) · X[t]
+    const auto dX_init = random_bf16_values(n * d, rng, 1.0);
+    std::vector<float> dX_ref = dX_init, dWk_ref(E * d * es, 0.f), dw_ref(sels);
+    cvmm_backward(dX_ref.data(), dWk_ref.data(), dw_ref.data(), dH.data(), X.data(), Wk.data(), w.data(), up, d, es, ws);
+    DeviceBuffer<float> gdX(dX_init), gdw(std::vector<float>(sels, 0.f));
+    cuda::cvmm_rows(plan_up.view(true), {gdH.get(), keys, gw.get(), nullptr, gdX.get(), gdw.get(), gX.get(), es, d, true, true}, 0);
+    EXPECT_LE(rel_error(gdX.download(), dX_ref), 1e-3) << "up, weighted: input gradient";
+    EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "up, weighted: routing-weight gradient";
   }
   MOEUT_CUDA_CHECK(cudaDeviceSynchronize());
 }
