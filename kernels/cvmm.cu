@@ -547,13 +547,12 @@ void launch_with_smem(Kernel kernel, int stages, dim3 grid, cudaStream_t stream,
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-// Three stages keep two blocks per SM (96 KB each); short products (K <= 128, two k-steps) need
-// only two.
+// Three stages keep two blocks per SM (96 KB each, registers allow no more), and products with
+// K <= 128 (two k-steps) get both steps' copies in flight at once.
 template <bool kTransW>
 void launch_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   const dim3 grid(unsigned(plan.tiles), unsigned((a.N + BN - 1) / BN));
-  if (a.K <= 2 * BK) launch_with_smem(cvmm_rows_kernel<kTransW, 2>, 2, grid, stream, plan, a);
-  else launch_with_smem(cvmm_rows_kernel<kTransW, 3>, 3, grid, stream, plan, a);
+  launch_with_smem(cvmm_rows_kernel<kTransW, 3>, 3, grid, stream, plan, a);
 }
 
 }  // namespace

@@ -6,13 +6,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 bin=$root/build-gpu
 out=${OUT:-/tmp/moeut-gpu-check}
 mkdir -p "$out"
-failed=0
-step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, shows its tail
-  local name=$1; shift
-  echo "== $name: $*"
-  if "$@" > "$out/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED ($?)"; failed=$((failed + 1)); fi
-  tail -n 25 "$out/$name.log"
-}
+. "$root/launch/gpu-step.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
 step gpu_tests "$bin/tests/moeut_gpu_tests"

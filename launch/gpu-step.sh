@@ -1,0 +1,10 @@
+# Sourced by the GPU host scripts. step NAME COMMAND...: runs COMMAND with its output in
+# $out/NAME.log, shows the log's last $step_tail lines (25 unless set) and counts failures in
+# $failed, which the script exits with.
+failed=0
+step() {
+  local name=$1; shift
+  echo "== $name: $*"
+  if "$@" > "$out/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED ($?)"; failed=$((failed + 1)); fi
+  tail -n "${step_tail:-25}" "$out/$name.log"
+}
