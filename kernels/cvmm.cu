@@ -51,6 +51,10 @@ __device__ inline void load8(bf16* dst, const bf16* src, int valid, bool aligned
   }
 }
 
+// Three stages keep two blocks per SM (96 KB each; registers allow no more), and give products
+// with K <= 128 (two k-steps) both steps' copies in flight at once.
+constexpr int kStages = 3;
+
 // The main loop shared by the kernels below: `steps` steps through a cp.async pipeline of kStages
 // shared-memory stages, copies issued kStages - 1 steps ahead. load(stage, step) issues a step's
 // copies; landed(stage, step) runs in each thread on its own copies once they have landed;
@@ -58,7 +62,7 @@ __device__ inline void load8(bf16* dst, const bf16* src, int valid, bool aligned
 // before the next begins, so a stage is refilled only after a barrier that every thread reaches
 // with its products done. (Leaving one group of products running needs a fourth stage, which
 // costs the second block per SM: measured slower, see docs/PERFORMANCE.md.)
-template <int kStages, class Load, class Landed, class Mma>
+template <class Load, class Landed, class Mma>
 __device__ __forceinline__ void pipeline(int steps, Load load, Landed landed, Mma mma) {
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -142,27 +146,22 @@ __device__ __forceinline__ void load_weight_slab(unsigned char* bs, const bf16* 
     }
   }
 }
-// acc (+)= this warpgroup's 64 rows of the slab at `as` times the weight slab at `bs`;
-// accumulate = false starts acc over.
+// acc += this warpgroup's 64 rows of the slab at `as` times the weight slab at `bs`.
 template <bool kTransW>
-__device__ __forceinline__ void mma_slab(float (&acc)[64], const unsigned char* as, const unsigned char* bs, int wg,
-                                         bool accumulate) {
+__device__ __forceinline__ void mma_slab(float (&acc)[64], const unsigned char* as, const unsigned char* bs, int wg) {
   const uint32_t a_addr = wgmma::smem_address(as + wg * 64 * 128), b_addr = wgmma::smem_address(bs);
 #pragma unroll
   for (int k16 = 0; k16 < BK / 16; ++k16) {
     const uint64_t b = kTransW ? wgmma::k_major(b_addr, k16) : wgmma::mn_major(b_addr, BK * 128, k16);
-    wgmma::mma_m64n128k16<0, kTransW ? 0 : 1>(acc, wgmma::k_major(a_addr, k16), b, accumulate || k16 > 0);
+    wgmma::mma_m64n128k16<0, kTransW ? 0 : 1>(acc, wgmma::k_major(a_addr, k16), b, true);
   }
 }
 
-// cvmm_rows, general: one block per (row tile, 128 output columns), K through a cp.async pipeline
-// of kStages stages. The epilogue goes through shared memory in fp32: weight, then store bf16
+// cvmm_rows: one block per (row tile, 128 output columns), K through the cp.async pipeline. The epilogue goes through shared memory in fp32: weight, then store bf16
 // rows or scatter-add fp32 rows.
-constexpr size_t rows_smem_bytes(int stages) {
-  return kSmemAlign + std::max<size_t>(size_t(stages) * kStageBytes, sizeof(float) * BM * kCStride);
-}
+constexpr size_t kSmemBytes = kSmemAlign + std::max<size_t>(size_t(kStages) * kStageBytes, sizeof(float) * BM * kCStride);
 
-template <bool kTransW, int kStages>
+template <bool kTransW>
 __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, CvmmRowsArgs a) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
@@ -182,7 +181,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
   float acc[64];
 #pragma unroll
   for (auto& v : acc) v = 0.f;
-  pipeline<kStages>(
+  pipeline(
       int((K + BK - 1) / BK),
       [&](int stage, int kt) {
         unsigned char* as = smem + stage * kStageBytes;
@@ -194,7 +193,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
         if (!wg_live) return;
         const unsigned char* as = smem + stage * kStageBytes;
         wgmma::fence();
-        mma_slab<kTransW>(acc, as, as + kSlabA, wg, true);
+        mma_slab<kTransW>(acc, as, as + kSlabA, wg);
         wgmma::commit();
       });
 #pragma unroll
@@ -276,7 +275,6 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 constexpr int WM = 128, WN = 128, WS = 64;
 static_assert((WM + WN) * WS * 2 == kStageBytes, "weight-gradient stages share the row products' size");
 
-template <int kStages>
 __global__ void __launch_bounds__(kRowsThreads, 2) cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
@@ -340,7 +338,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2) cvmm_weight_grad_kernel(CvmmP
   float acc[64];
 #pragma unroll
   for (auto& v : acc) v = 0.f;
-  pipeline<kStages>(int((end - begin + WS - 1) / WS), load, landed, [&](int stage) {
+  pipeline(int((end - begin + WS - 1) / WS), load, landed, [&](int stage) {
     const unsigned char* as = smem + stage * kStageBytes;
     const uint32_t a_addr = wgmma::smem_address(as + wg * kSlabBytes), b_addr = wgmma::smem_address(as + WS * WM * 2);
     wgmma::fence();
@@ -540,19 +538,16 @@ void CvmmPlanner::build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, 
 namespace {
 
 template <class Kernel, class Args>
-void launch_with_smem(Kernel kernel, int stages, dim3 grid, cudaStream_t stream, const CvmmPlan& plan, const Args& a) {
-  const size_t bytes = rows_smem_bytes(stages);
-  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  kernel<<<grid, kRowsThreads, bytes, stream>>>(plan, a);
+void launch_with_smem(Kernel kernel, dim3 grid, cudaStream_t stream, const CvmmPlan& plan, const Args& a) {
+  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+  kernel<<<grid, kRowsThreads, kSmemBytes, stream>>>(plan, a);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-// Three stages keep two blocks per SM (96 KB each, registers allow no more), and products with
-// K <= 128 (two k-steps) get both steps' copies in flight at once.
 template <bool kTransW>
 void launch_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   const dim3 grid(unsigned(plan.tiles), unsigned((a.N + BN - 1) / BN));
-  launch_with_smem(cvmm_rows_kernel<kTransW, 3>, 3, grid, stream, plan, a);
+  launch_with_smem(cvmm_rows_kernel<kTransW>, grid, stream, plan, a);
 }
 
 }  // namespace
@@ -566,7 +561,7 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
 
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {
   const dim3 grid(unsigned(((a.K + WM - 1) / WM) * ((a.N + WN - 1) / WN)), unsigned(a.n_experts));
-  launch_with_smem(cvmm_weight_grad_kernel<3>, 3, grid, stream, plan, a);
+  launch_with_smem(cvmm_weight_grad_kernel, grid, stream, plan, a);
 }
 
 }  // namespace moeut::cuda
