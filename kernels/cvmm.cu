@@ -157,9 +157,35 @@ __device__ __forceinline__ void mma_slab(float (&acc)[64], const unsigned char* 
   }
 }
 
-// cvmm_rows: one block per (row tile, 128 output columns), K through the cp.async pipeline. The epilogue goes through shared memory in fp32: weight, then store bf16
-// rows or scatter-add fp32 rows.
+// The epilogues go through shared memory in fp32, a [128][kCStride] tile over the finished stages.
 constexpr size_t kSmemBytes = kSmemAlign + std::max<size_t>(size_t(kStages) * kStageBytes, sizeof(float) * BM * kCStride);
+
+// This warpgroup's accumulators into its 64 rows of the tile.
+__device__ __forceinline__ void store_acc(float* Cs, const float (&acc)[64], int wg) {
+#pragma unroll
+  for (int j = 0; j < 64; ++j) Cs[(wg * 64 + wgmma::acc_row(j)) * kCStride + wgmma::acc_col(j)] = acc[j];
+}
+
+// dst(r)[0, n) += Cs[r][0, n) for r < rows, by the L2's bulk reduction: one asynchronous copy of a
+// whole row per thread instead of a 16-byte atomic per thread and 4 columns. Needs n % 4 == 0 and
+// 16-byte aligned destinations. Returns once shared memory has been read.
+template <class Row>
+__device__ __forceinline__ void add_rows_async(const float* Cs, int rows, int n, Row dst) {
+  wgmma::fence_shared_for_async();  // this thread's writes to Cs, visible to the copy engine
+  __syncthreads();
+  for (int r = threadIdx.x; r < rows; r += blockDim.x)
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst(r)),
+                 "r"(wgmma::smem_address(Cs + r * kCStride)), "r"(n * 4)
+                 : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__host__ __device__ inline bool rows_addable(const float* base, int64_t width, int64_t n) {
+  return width % 4 == 0 && n % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
+}
+
+// cvmm_rows: one block per (row tile, 128 output columns), K through the cp.async pipeline. The
+// epilogue weights the tile's rows, then stores them in bf16 or adds them into fp32 rows.
 
 template <bool kTransW>
 __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, CvmmRowsArgs a) {
@@ -196,8 +222,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
         mma_slab<kTransW>(acc, as, as + kSlabA, wg);
         wgmma::commit();
       });
-#pragma unroll
-  for (int j = 0; j < 64; ++j) Cs[(wg * 64 + wgmma::acc_row(j)) * kCStride + wgmma::acc_col(j)] = acc[j];
+  store_acc(Cs, acc, wg);
   __syncthreads();
 
   const int n_valid = int(min64(BN, N - n0));
@@ -225,34 +250,43 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
       if (threadIdx.x % 16 == 0 && r < rows) atomicAdd(a.dweight + tr.sel[r], sum);
     }
   }
-  if (a.accumulate && N % 4 == 0 && n_valid % 4 == 0 && reinterpret_cast<uintptr_t>(a.out_f32) % 16 == 0) {
-    // Scatter: 32 threads per row, 4 columns each, one 16-byte vector atomic per thread.
-    for (int r = threadIdx.x / 32; r < rows; r += kRowsThreads / 32) {
-      const float w = tr.weight[r];
-      float* base = a.out_f32 + int64_t(tr.out[r]) * N + n0;
-      for (int n = (threadIdx.x % 32) * 4; n < n_valid; n += 128) {
-        const float* c = Cs + r * kCStride + n;
-        atomicAdd(reinterpret_cast<float4*>(base + n), make_float4(w * c[0], w * c[1], w * c[2], w * c[3]));
+  if (a.accumulate && rows_addable(a.out_f32, N, n_valid)) {
+    // Scatter: weight the rows in place (after the routing-weight gradient has read them), then
+    // add each into its output row.
+    if (a.weight) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < rows * (BN / 4); i += kRowsThreads) {
+        float4* c = reinterpret_cast<float4*>(Cs + (i / (BN / 4)) * kCStride) + i % (BN / 4);
+        const float w = tr.weight[i / (BN / 4)];
+        *c = make_float4(w * c->x, w * c->y, w * c->z, w * c->w);
       }
     }
+    add_rows_async(Cs, rows, n_valid, [&](int r) { return a.out_f32 + int64_t(tr.out[r]) * N + n0; });
     return;
   }
-  // A stored output element: weighted, then through the ReLU options (see CvmmRowsArgs).
+  // A stored output element: weighted, then through the ReLU options (see CvmmRowsArgs); dot is
+  // the element of dot_rows at the same place (read only for kMaskByDotRows).
   using Relu = CvmmRowsArgs::Relu;
-  auto stored = [&](float v, int64_t at) {
+  auto stored = [&](float v, bf16 dot) {
     if (a.relu == Relu::kApply) return __float2bfloat16(fmaxf(v, 0.f));
-    if (a.relu == Relu::kMaskByDotRows && !(__bfloat162float(a.dot_rows[at]) > 0.f)) return __float2bfloat16(0.f);
+    if (a.relu == Relu::kMaskByDotRows && !(__bfloat162float(dot) > 0.f)) return __float2bfloat16(0.f);
     return __float2bfloat16(v);
   };
-  if (!a.accumulate && n_valid == BN && vectorizable(a.out, N)) {
-    // Rows of bf16: 16 threads per row, 8 columns (one 16-byte store) each.
+  const bool masked = a.relu == Relu::kMaskByDotRows;
+  if (!a.accumulate && n_valid == BN && vectorizable(a.out, N) && (!masked || vectorizable(a.dot_rows, N))) {
+    // Rows of bf16: 16 threads per row, 8 columns each: two 16-byte reads of the tile, one
+    // 16-byte store (and one 16-byte read of dot_rows when masked).
     for (int i = threadIdx.x; i < rows * (BN / 8); i += kRowsThreads) {
       const int r = i / (BN / 8), n = (i % (BN / 8)) * 8;
       const float w = tr.weight[r];
       const int64_t at = int64_t(tr.out[r]) * N + n0 + n;
-      alignas(16) bf16 v[8];
+      const float4* c = reinterpret_cast<const float4*>(Cs + r * kCStride + n);
+      const float4 c0 = c[0], c1 = c[1];
+      const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+      alignas(16) bf16 dot[8], v[8];
+      if (masked) *reinterpret_cast<uint4*>(dot) = *reinterpret_cast<const uint4*>(a.dot_rows + at);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = stored(w * Cs[r * kCStride + n + j], at + j);
+      for (int j = 0; j < 8; ++j) v[j] = stored(w * cv[j], dot[j]);
       *reinterpret_cast<uint4*>(a.out + at) = *reinterpret_cast<const uint4*>(v);
     }
     return;
@@ -263,7 +297,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
     for (int n = threadIdx.x; n < n_valid; n += kRowsThreads) {
       const float v = w * Cs[r * kCStride + n];
       if (a.accumulate) atomicAdd(a.out_f32 + base + n, v);
-      else a.out[base + n] = stored(v, base + n);
+      else a.out[base + n] = stored(v, masked ? a.dot_rows[base + n] : bf16{});
     }
   }
 }
@@ -291,20 +325,28 @@ __global__ void __launch_bounds__(kRowsThreads, 2) cvmm_weight_grad_kernel(CvmmP
   constexpr int kSlabBytes = WS * 128;
   auto chunk_offset = [&](int r) { return (chunk / 8) * kSlabBytes + wgmma::swizzled_chunk(r, chunk % 8); };
 
-  // The rows (and routing weights) of a step are looked up one step ahead, so the index loads
-  // overlap the products instead of stalling the copies that need them.
+  // The rows and routing weights of a step are looked up one step ahead, so the index loads
+  // overlap the products instead of stalling the copies that need them; a weight needs its
+  // selection first, so selections are looked up one step further ahead (a weight's load never
+  // waits on the selection's).
   int64_t arow[4], brow[4];
   float w[4];
+  int sel[4];  // the selections of the step after the one last looked up
+  auto position = [&](int step, int i) { return begin + int64_t(step) * WS + row0 + 16 * i; };
+  auto look_up_selections = [&](int step) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sel[i] = a.weight && position(step, i) < end ? plan.by_expert[position(step, i)] : -1;
+  };
   auto look_up = [&](int step) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int64_t p = begin + int64_t(step) * WS + row0 + 16 * i;
+      const int64_t p = position(step, i);
       const bool live = p < end;
-      const int s = live ? plan.by_expert[p] : 0;
       arow[i] = !live ? -1 : a.a_by_in_row ? plan.in_row[p] : plan.out_row[p];
       brow[i] = !live ? -1 : a.a_by_in_row ? plan.out_row[p] : plan.in_row[p];
-      w[i] = live && a.weight ? a.weight[s] : 1.f;
+      w[i] = sel[i] >= 0 ? a.weight[sel[i]] : 1.f;
     }
+    look_up_selections(step + 1);
   };
   __shared__ float s_weight[kStages][WS];  // each thread's own rows: written and read by it alone
   auto load = [&](int stage, int step) {
@@ -328,11 +370,20 @@ __global__ void __launch_bounds__(kRowsThreads, 2) cvmm_weight_grad_kernel(CvmmP
     for (int i = 0; i < 4; ++i) {
       const int r = row0 + 16 * i;
       const float wr = s_weight[stage][r];
-      bf16* v = reinterpret_cast<bf16*>(smem + stage * kStageBytes + chunk_offset(r));
+      // One 16-byte read and write per chunk: element-wise, the shared-memory traffic of this
+      // pass outweighed the step's products (measured, docs/PERFORMANCE.md v8).
+      uint4* chunk_at = reinterpret_cast<uint4*>(smem + stage * kStageBytes + chunk_offset(r));
+      uint4 v = *chunk_at;
+      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16(wr * __bfloat162float(v[j]));
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(pairs[j]);
+        pairs[j] = __floats2bfloat162_rn(wr * f.x, wr * f.y);
+      }
+      *chunk_at = v;
     }
   };
+  look_up_selections(0);
   look_up(0);
   const int wg = threadIdx.x / 128;
   float acc[64];
@@ -349,8 +400,15 @@ __global__ void __launch_bounds__(kRowsThreads, 2) cvmm_weight_grad_kernel(CvmmP
     wgmma::commit();
   });
 
-  // Straight from the accumulators: each thread owns pairs of adjacent columns.
   float* dWe = a.dW + int64_t(e) * K * N;
+  const int n_valid = int(min64(WN, N - n0));
+  if (rows_addable(dWe, N, n_valid)) {  // through the finished stages, added by the L2
+    float* Cs = reinterpret_cast<float*>(smem);
+    store_acc(Cs, acc, wg);
+    add_rows_async(Cs, int(min64(WM, K - k0)), n_valid, [&](int r) { return dWe + (k0 + r) * N + n0; });
+    return;
+  }
+  // Straight from the accumulators: each thread owns pairs of adjacent columns.
   const bool pairs = N % 2 == 0 && reinterpret_cast<uintptr_t>(dWe) % 8 == 0;
 #pragma unroll
   for (int j = 0; j < 64; j += 2) {

@@ -1,6 +1,7 @@
 // moeut-bench-cvmm: TFLOP/s of the CUDA expert kernels at a profile's shapes (default: the 1B
 // profile, 565 experts, top-24, d 1536, expert size 128) beside the bf16 matrix-product peak
-// measured by cuBLAS in the same run.
+// measured by cuBLAS in the same run. Usage: moeut-bench-cvmm [TOKENS [REPS]]; REPS 1 runs each
+// product once with no warm-up (for a profiler).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -25,6 +26,7 @@ using bf16 = __nv_bfloat16;
 
 int main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? std::stoll(argv[1]) : 16384;
+  const int reps = argc > 2 ? std::stoi(argv[2]) : 20;
   const int64_t E = 565, k = 24, d = 1536, es = 128, sels = tokens * k;
   try {
     const double peak = bench::cublas_peak_tflops();
@@ -64,7 +66,7 @@ int main(int argc, char** argv) {
                 (long long)k, double(sels) / double(E));
     double total_ms = 0;
     for (const Row& r : rows) {
-      const double ms = median_ms(r.fn);
+      const double ms = median_ms(r.fn, reps, reps > 1 ? 3 : 0);
       total_ms += ms;
       std::printf("  %-40s %8.3f ms  %6.1f TFLOP/s  (%.1f%% of peak)\n", r.name, ms, flop / (ms * 1e-3) / 1e12,
                   100.0 * flop / (ms * 1e-3) / 1e12 / peak);
