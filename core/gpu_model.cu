@@ -214,9 +214,9 @@ void GpuModel::attention_forward(int64_t l) {
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
   const float* x = xs_[l].get();
   mark(Part::kOther);
+  // xb: the raw residual in bf16, which the value experts read.
   cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
-                          d, stream_);
-  cuda::to_bf16(L.xb.get(), x, N * d, stream_);  // the value experts read the raw residual
+                          d, stream_, L.xb.get());
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
   dense(xn_.get(), p + "attention.q.weight", N, hd, s, L.q.get(), CUDA_R_16BF);
@@ -253,8 +253,7 @@ void GpuModel::ffn_forward(int64_t l) {
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
   mark(Part::kOther);
   cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
-                          wparam(p + "ln2.bias"), N, d, stream_);
-  cuda::to_bf16(L.x_midb.get(), L.x_mid.get(), N * d, stream_);
+                          wparam(p + "ln2.bias"), N, d, stream_, L.x_midb.get());
   mark(Part::kDense);
   router_logits(xn_.get(), p + "ffn.expert_sel", Ef, L.z.get());
   mark(Part::kRouting);
@@ -343,7 +342,8 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
     mark(Part::kOther);
     MOEUT_CUDA_CHECK(cudaMemsetAsync(dres_.get(), 0, dres_.size() * sizeof(float), stream_));
     cuda::layernorm_backward(dres_.get(), gparam("out_norm.weight"), gparam("out_norm.bias"), dxf_.get(),
-                             xs_.back().get(), wparam("out_norm.weight"), mean_f_.get(), rstd_f_.get(), N, d, stream_);
+                             xs_.back().get(), wparam("out_norm.weight"), mean_f_.get(), rstd_f_.get(), N, d, stream_,
+                             dresb_.get());
     for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
       ffn_backward(l);
       attention_backward(l);
@@ -401,10 +401,10 @@ void GpuModel::ffn_backward(int64_t l) {
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
-  // dres holds d/d(layer output). The FFN input is the raw x_mid: its expert gradient adds
-  // straight onto dres, and so does LN2's.
+  // dres holds d/d(layer output), and dresb its bf16 copy (written by the LayerNorm backward that
+  // finished it). The FFN input is the raw x_mid: its expert gradient adds straight onto dres, and
+  // so does LN2's.
   mark(Part::kOther);
-  cuda::to_bf16(dresb_.get(), dres_.get(), N * d, stream_);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * kf) * sizeof(float), stream_));
   if (!dispatcher_) {
     mark(Part::kExperts);
@@ -424,14 +424,14 @@ void GpuModel::ffn_backward(int64_t l) {
   router_backward(L.z.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, xn_.get(), p + "ffn.expert_sel", false);
   mark(Part::kOther);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
-                           wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_);
+                           wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_, dresb_.get());
 }
 
 void GpuModel::experts_backward(int64_t l, const bf16* dY, const bf16* X, const float* weight, int64_t rows, float* dX,
                                 float* dw) {
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
-  const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  const int64_t d = cfg_.d_model, E = layout_.shard().count, es = cfg_.ff_expert_size;
   mark(Part::kExperts);
   // dhidden comes out already through the ReLU's gradient (masked where hidden is 0); the
   // routing-weight gradient is the same either way, its dot products reading hidden itself.
@@ -449,8 +449,7 @@ void GpuModel::attention_backward(int64_t l) {
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
-  mark(Part::kOther);
-  cuda::to_bf16(dresb_.get(), dres_.get(), N * d, stream_);
+  mark(Part::kOther);  // dresb: the bf16 copy of dres, from LN2's backward
   // LN1's output again, bit for bit, for the dense products' weight gradients.
   cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), xs_[l].get(), wparam(p + "ln1.weight"),
                           wparam(p + "ln1.bias"), N, d, stream_);
@@ -484,8 +483,10 @@ void GpuModel::attention_backward(int64_t l) {
   dense_backward(dq_.get(), xn_.get(), p + "attention.q.weight", N, hd, s, dxn_.get(), true);
   dense_backward(dk_.get(), xn_.get(), p + "attention.k.weight", N, hd, s, dxn_.get(), true);
   mark(Part::kOther);
+  // dresb for the layer below (none below the first: the embedding's gradient reads dres).
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
-                           wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_);
+                           wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_,
+                           l > 0 ? dresb_.get() : nullptr);
 }
 
 }  // namespace moeut

@@ -66,35 +66,61 @@ bool four_wide(int64_t d, std::initializer_list<const void*> fp32, std::initiali
   return ok;
 }
 
-// One warp per row, V columns per lane at a time.
+// One warp per row, V columns per lane at a time. A lane keeps its first kRegisterChunks chunks of
+// the row in registers, so the row is read from memory once, with all of a lane's loads in
+// flight together (a loop over the row three times kept one load in flight per lane: about half
+// the memory bandwidth, docs/PERFORMANCE.md v9). Columns past them (d > 32·V·kRegisterChunks) are
+// read again in each pass. x_bf16, when not null, receives a bf16 copy of x.
+constexpr int kRegisterChunks = 16;
 template <int V>
-__global__ void layernorm_forward_kernel(__nv_bfloat16* out, float* mean, float* rstd, const float* x,
-                                         const __nv_bfloat16* w, const __nv_bfloat16* b, int64_t n, int d) {
+__global__ void layernorm_forward_kernel(__nv_bfloat16* out, __nv_bfloat16* x_bf16, float* mean, float* rstd,
+                                         const float* x, const __nv_bfloat16* w, const __nv_bfloat16* b, int64_t n,
+                                         int d) {
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
   const float* xr = x + row * d;
+  constexpr int kStride = 32 * V, kHeld = kStride * kRegisterChunks;
+  Cols<V> held[kRegisterChunks];
   float s = 0.f;
-  for (int i = lane * V; i < d; i += 32 * V) {
+#pragma unroll
+  for (int c = 0; c < kRegisterChunks; ++c)
+    if (const int i = lane * V + c * kStride; i < d) held[c] = load_cols<V>(xr + i);
+#pragma unroll
+  for (int c = 0; c < kRegisterChunks; ++c)
+    if (lane * V + c * kStride < d)
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += held[c].v[k];
+  for (int i = kHeld + lane * V; i < d; i += kStride) {
     const Cols<V> xv = load_cols<V>(xr + i);
 #pragma unroll
     for (int k = 0; k < V; ++k) s += xv.v[k];
   }
   const float mu = warp_sum(s) / float(d);
   float v = 0.f;
-  for (int i = lane * V; i < d; i += 32 * V) {
+#pragma unroll
+  for (int c = 0; c < kRegisterChunks; ++c)
+    if (lane * V + c * kStride < d)
+#pragma unroll
+      for (int k = 0; k < V; ++k) v += (held[c].v[k] - mu) * (held[c].v[k] - mu);
+  for (int i = kHeld + lane * V; i < d; i += kStride) {
     const Cols<V> xv = load_cols<V>(xr + i);
 #pragma unroll
     for (int k = 0; k < V; ++k) v += (xv.v[k] - mu) * (xv.v[k] - mu);
   }
   const float rs = rsqrtf(warp_sum(v) / float(d) + float(kLayerNormEps));
-  for (int i = lane * V; i < d; i += 32 * V) {
-    const Cols<V> xv = load_cols<V>(xr + i), wv = load_cols<V>(w + i), bv = load_cols<V>(b + i);
+  auto normalise = [&](int i, const Cols<V>& xv) {
+    const Cols<V> wv = load_cols<V>(w + i), bv = load_cols<V>(b + i);
     Cols<V> o;
 #pragma unroll
     for (int k = 0; k < V; ++k) o.v[k] = (xv.v[k] - mu) * rs * wv.v[k] + bv.v[k];
     store_cols<V>(out + row * d + i, o);
-  }
+    if (x_bf16) store_cols<V>(x_bf16 + row * d + i, xv);
+  };
+#pragma unroll
+  for (int c = 0; c < kRegisterChunks; ++c)
+    if (const int i = lane * V + c * kStride; i < d) normalise(i, held[c]);
+  for (int i = kHeld + lane * V; i < d; i += kStride) normalise(i, load_cols<V>(xr + i));
   if (lane == 0) {
     mean[row] = mu;
     rstd[row] = rs;
@@ -105,7 +131,8 @@ __global__ void layernorm_forward_kernel(__nv_bfloat16* out, float* mean, float*
 // rows' parameter gradients into its own slice of shared memory (lanes own their columns, so no
 // atomics), and the block adds the slices into the global gradients once.
 template <int V>
-__global__ void layernorm_backward_kernel(float* dx, float* dw, float* db, const float* dout, const float* x,
+__global__ void layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, float* dw, float* db, const float* dout,
+                                          const float* x,
                                           const __nv_bfloat16* w, const float* mean, const float* rstd, int64_t n,
                                           int d) {
   extern __shared__ float acc[];  // [kBackwardWarps][2][d]
@@ -141,6 +168,7 @@ __global__ void layernorm_backward_kernel(float* dx, float* dw, float* db, const
         dbv.v[k] += gv.v[k];
       }
       store_cols<V>(dx + row * d + i, dxv);
+      if (dx_bf16) store_cols<V>(dx_bf16 + row * d + i, dxv);
       store_cols<V>(dw_acc + i, dwv);
       store_cols<V>(db_acc + i, dbv);
     }
@@ -158,19 +186,19 @@ __global__ void layernorm_backward_kernel(float* dx, float* dw, float* db, const
 }  // namespace
 
 void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float* x, const __nv_bfloat16* weight,
-                       const __nv_bfloat16* bias, int64_t n, int64_t d, cudaStream_t stream) {
+                       const __nv_bfloat16* bias, int64_t n, int64_t d, cudaStream_t stream, __nv_bfloat16* x_bf16) {
   if (n == 0) return;
   const unsigned blocks = unsigned((n + kWarps - 1) / kWarps);
-  if (four_wide(d, {x}, {out, weight, bias}))
-    layernorm_forward_kernel<4><<<blocks, kWarps * 32, 0, stream>>>(out, mean, rstd, x, weight, bias, n, int(d));
+  if (four_wide(d, {x}, {out, weight, bias, x_bf16}))
+    layernorm_forward_kernel<4><<<blocks, kWarps * 32, 0, stream>>>(out, x_bf16, mean, rstd, x, weight, bias, n, int(d));
   else
-    layernorm_forward_kernel<1><<<blocks, kWarps * 32, 0, stream>>>(out, mean, rstd, x, weight, bias, n, int(d));
+    layernorm_forward_kernel<1><<<blocks, kWarps * 32, 0, stream>>>(out, x_bf16, mean, rstd, x, weight, bias, n, int(d));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
 void layernorm_backward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
                         const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, __nv_bfloat16* dx_bf16) {
   if (n == 0) return;
   // At most 1056 blocks (8 per SM of an H100): each block's partial sums cost one pass of atomics
   // over d at its end.
@@ -178,9 +206,10 @@ void layernorm_backward(float* dx, float* dweight, float* dbias, const float* do
   const size_t smem = size_t(kBackwardWarps) * 2 * size_t(d) * sizeof(float);
   auto launch = [&](auto kernel) {
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<blocks, kBackwardWarps * 32, smem, stream>>>(dx, dweight, dbias, dout, x, weight, mean, rstd, n, int(d));
+    kernel<<<blocks, kBackwardWarps * 32, smem, stream>>>(dx, dx_bf16, dweight, dbias, dout, x, weight, mean, rstd, n,
+                                                          int(d));
   };
-  if (four_wide(d, {dx, dout, x}, {weight})) launch(layernorm_backward_kernel<4>);
+  if (four_wide(d, {dx, dout, x}, {weight, dx_bf16})) launch(layernorm_backward_kernel<4>);
   else launch(layernorm_backward_kernel<1>);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }

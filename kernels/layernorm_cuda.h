@@ -8,12 +8,15 @@
 
 namespace moeut::cuda {
 
+// x_bf16, when not null, also receives x in bf16 (a copy the products read, made in the same pass).
 void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float* x, const __nv_bfloat16* weight,
-                       const __nv_bfloat16* bias, int64_t n, int64_t d, cudaStream_t stream);
+                       const __nv_bfloat16* bias, int64_t n, int64_t d, cudaStream_t stream,
+                       __nv_bfloat16* x_bf16 = nullptr);
 
-// Accumulates into dx [n, d], dweight [d] and dbias [d].
+// Accumulates into dx [n, d], dweight [d] and dbias [d]. dx_bf16, when not null, also receives the
+// accumulated dx in bf16.
 void layernorm_backward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
                         const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
-                        cudaStream_t stream);
+                        cudaStream_t stream, __nv_bfloat16* dx_bf16 = nullptr);
 
 }  // namespace moeut::cuda

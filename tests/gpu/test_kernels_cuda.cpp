@@ -30,8 +30,9 @@ using cuda::DeviceBuffer;
 using namespace gpu_test;
 
 TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
-  // d 82: the one-column path (rows not 16 bytes apart); the others take four columns at a time.
-  for (auto [n, d] : {std::pair<int64_t, int64_t>{37, 64}, {50, 82}, {1000, 412}, {4096, 1536}}) {
+  // d 82 and 602: the one-column path (rows not 16 bytes apart); the others take four columns at a
+  // time. d 602 and 2312 have columns past those a lane keeps in registers (512 and 2048).
+  for (auto [n, d] : {std::pair<int64_t, int64_t>{37, 64}, {50, 82}, {1000, 412}, {4096, 1536}, {40, 602}, {30, 2312}}) {
     SCOPED_TRACE("n " + std::to_string(n) + " d " + std::to_string(d));
     Rng rng{uint64_t(n + d)};
     const auto x = random_bf16_values(n * d, rng, 2.0), w = random_bf16_values(d, rng, 1.0),
@@ -43,10 +44,14 @@ TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
 
     DeviceBuffer<float> gx(x), gmean(std::vector<float>(n, NAN)), grstd(std::vector<float>(n, NAN)), gdout(dout),
         gdx(dx0), gdw(std::vector<float>(d, 0.5f)), gdb(std::vector<float>(d, -0.5f));
-    DeviceBuffer<bf16> gw(to_bf16(w)), gb(to_bf16(b)), gout(std::vector<bf16>(n * d, __float2bfloat16(NAN)));
-    cuda::layernorm_forward(gout.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0);
+    DeviceBuffer<bf16> gw(to_bf16(w)), gb(to_bf16(b)), gout(std::vector<bf16>(n * d, __float2bfloat16(NAN))),
+        gxb(gout.download()), gdxb(gout.download());
+    cuda::layernorm_forward(gout.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0, gxb.get());
     cuda::layernorm_backward(gdx.get(), gdw.get(), gdb.get(), gdout.get(), gx.get(), gw.get(), gmean.get(), grstd.get(),
-                             n, d, 0);
+                             n, d, 0, gdxb.get());
+    // The bf16 copies: x exactly (its values are bf16), dx rounded from the fp32 result.
+    EXPECT_EQ(to_float(gxb.download()), x) << "bf16 copy of x";
+    EXPECT_EQ(to_float(gdxb.download()), to_float(to_bf16(gdx.download()))) << "bf16 copy of dx";
     EXPECT_LE(rel_error(to_float(gout.download()), out), 1e-2) << "output (bf16)";
     EXPECT_LE(rel_error(gmean.download(), mean), 1e-5) << "mean";
     EXPECT_LE(rel_error(grstd.download(), rstd), 1e-5) << "rstd";
