@@ -55,6 +55,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   if (own_stream_) MOEUT_CUDA_CHECK(cudaStreamCreate(&stream_));
   check_cublas(cublasCreate(&cublas_), "cublasCreate");
   check_cublas(cublasSetStream(cublas_, stream_), "cublasSetStream");
+  weight_grads_ = std::make_unique<SideStream>(stream_);
   const int64_t T = cfg_.context, N = batch * T, d = cfg_.d_model, H = cfg_.n_heads;
   const int64_t hd = H * cfg_.d_head, he = H * cfg_.att_n_experts, hk = H * cfg_.att_k;
   const int64_t Ef = layout_.shard().count, kf = cfg_.ff_k, total = layout_.total();
@@ -433,15 +434,21 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, const bf16* X, const 
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t d = cfg_.d_model, E = layout_.shard().count, es = cfg_.ff_expert_size;
   mark(Part::kExperts);
+  // Each weight gradient runs on the side stream beside the input gradient that shares its
+  // inputs; the main stream waits for both before dhidden is written again.
+  weight_grads_->fork();
+  cuda::cvmm_weight_grad(L.plan_ff.view(true), {L.hidden.get(), dY, weight, true, gparam(p + "ffn.values"), es, d, E},
+                         weight_grads_->get());
   // dhidden comes out already through the ReLU's gradient (masked where hidden is 0); the
   // routing-weight gradient is the same either way, its dot products reading hidden itself.
   cuda::cvmm_rows(L.plan_ff.view(), {dY, wparam(p + "ffn.values"), weight, dhidden_.get(), nullptr, dw, L.hidden.get(),
                                       d, es, true, false, cuda::CvmmRowsArgs::Relu::kMaskByDotRows}, stream_);
-  cuda::cvmm_weight_grad(L.plan_ff.view(true), {L.hidden.get(), dY, weight, true, gparam(p + "ffn.values"), es, d, E},
-                         stream_);
+  weight_grads_->fork();
+  cuda::cvmm_weight_grad(L.plan_ff.view(), {X, dhidden_.get(), nullptr, true, gparam(p + "ffn.keys"), d, es, E},
+                         weight_grads_->get());
   cuda::cvmm_rows(L.plan_ff.view(true), {dhidden_.get(), wparam(p + "ffn.keys"), nullptr, nullptr, dX, nullptr, nullptr,
                                           es, d, true, true}, stream_);
-  cuda::cvmm_weight_grad(L.plan_ff.view(), {X, dhidden_.get(), nullptr, true, gparam(p + "ffn.keys"), d, es, E}, stream_);
+  weight_grads_->join();
 }
 
 void GpuModel::attention_backward(int64_t l) {
@@ -457,10 +464,13 @@ void GpuModel::attention_backward(int64_t l) {
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dheads_f32_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
   mark(Part::kExperts);
+  // The expert weight gradients run on the side stream (see experts_backward) until the
+  // LayerNorm backward below writes dresb again.
+  weight_grads_->fork();
+  cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
+                                            d, H * Ea}, weight_grads_->get());
   cuda::cvmm_rows(L.plan_o.view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
                                          dw_.get(), L.heads.get(), d, dh, true, true}, stream_);
-  cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
-                                            d, H * Ea}, stream_);
   router_backward(L.zo.get(), L.io.get(), L.wo.get(), H, Ea, ka, xn_.get(), p + "attention.sel_o", false);
   mark(Part::kOther);
   cuda::to_bf16(dheads_.get(), dheads_f32_.get(), N * hd, stream_);
@@ -470,10 +480,11 @@ void GpuModel::attention_backward(int64_t l) {
   // Value experts read the raw residual: their input gradient adds onto dres.
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
   mark(Part::kExperts);
+  weight_grads_->fork();
+  cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
+                                            H * Ea}, weight_grads_->get());
   cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), dw_.get(),
                                          L.xb.get(), dh, d, true, true}, stream_);
-  cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
-                                            H * Ea}, stream_);
   router_backward(L.zv.get(), L.iv.get(), L.wv.get(), H, Ea, ka, xn_.get(), p + "attention.sel_v", true);
   mark(Part::kAttention);
   cuda::rope_backward(dq_.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
@@ -482,6 +493,7 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kDense);
   dense_backward(dq_.get(), xn_.get(), p + "attention.q.weight", N, hd, s, dxn_.get(), true);
   dense_backward(dk_.get(), xn_.get(), p + "attention.k.weight", N, hd, s, dxn_.get(), true);
+  weight_grads_->join();
   mark(Part::kOther);
   // dresb for the layer below (none below the first: the embedding's gradient reads dres).
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),

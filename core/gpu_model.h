@@ -12,6 +12,7 @@
 #include "core/config.h"
 #include "core/model.h"
 #include "core/params.h"
+#include "core/side_stream.h"
 #include "kernels/attention_cuda.h"
 #include "kernels/cvmm_cuda.h"
 #include "kernels/device_buffer.h"
@@ -126,6 +127,7 @@ class GpuModel {
   std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_;
   std::unique_ptr<cuda::LmHeadCE> head_;
   std::unique_ptr<cuda::CvmmPlanner> planner_;
+  std::unique_ptr<SideStream> weight_grads_;  // expert weight gradients, beside the input gradients
   bool profiling_ = false;
   std::vector<std::pair<cudaEvent_t, Part>> marks_;
   std::vector<cudaEvent_t> spare_events_;
