@@ -102,6 +102,24 @@ __device__ void load_head_tile(bf16* dst, const bf16* src, int64_t ld, int row0,
   }
 }
 
+// The flash kernels' block order, over a 1D grid of tiles x (batch, head) blocks. Causal tiles
+// differ in length up to `tiles` times, so within each chunk of kChunkHeads (batch, head) pairs
+// every pair's longest tile goes first and the short ones fill the chunk's last wave (rank 0: the
+// longest). A chunk (256 blocks at T 1024, about one wave) reads the rows of its pairs only, so
+// they stay in L2 while it runs.
+constexpr int kChunkHeads = 16;
+struct FlashBlock {
+  int rank, bh;
+};
+__device__ __forceinline__ FlashBlock flash_block(int tiles, int heads) {
+  const int span = kChunkHeads * tiles, chunk = int(blockIdx.x) / span, rem = int(blockIdx.x) % span;
+  const int in_chunk = min(kChunkHeads, heads - chunk * kChunkHeads);
+  return {rem / in_chunk, chunk * kChunkHeads + rem % in_chunk};
+}
+__host__ inline unsigned flash_blocks(int64_t B, int64_t T, int64_t H) {
+  return unsigned((T + kFlashRows - 1) / kFlashRows * B * H);
+}
+
 template <int kD>
 __global__ void __launch_bounds__(kFlashThreads) flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k,
                                                                 const bf16* v, int T, int H, int dh) {
@@ -111,8 +129,9 @@ __global__ void __launch_bounds__(kFlashThreads) flash_forward(bf16* out, float*
   bf16* Ks = Qs + kTile;                            // [2][64][kStride]
   bf16* Vs = Ks + 2 * kTile;                        // [2][64][kStride]
   const int tiles = (T + kFlashRows - 1) / kFlashRows;
-  const int qt = tiles - 1 - int(blockIdx.x);  // longest rows first
-  const int bh = blockIdx.y, b = bh / H, h = bh % H;
+  const FlashBlock blk = flash_block(tiles, int(gridDim.x) / tiles);
+  const int qt = tiles - 1 - blk.rank;  // the last query tile attends to the most keys
+  const int bh = blk.bh, b = bh / H, h = bh % H;
   const int64_t ld = int64_t(H) * dh, base = int64_t(b) * T * ld + int64_t(h) * dh;
   const bool vec = dh % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(q + base) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(k + base) % 16 == 0 && reinterpret_cast<uintptr_t>(v + base) % 16 == 0;
@@ -265,7 +284,8 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
   float* Ds = Ls + 2 * kFlashRows;                                    // [2][64]
 
   const int tiles = (T + kFlashRows - 1) / kFlashRows;
-  const int kt = int(blockIdx.x), bh = blockIdx.y, b = bh / H, h = bh % H;
+  const FlashBlock blk = flash_block(tiles, int(gridDim.x) / tiles);
+  const int kt = blk.rank, bh = blk.bh, b = bh / H, h = bh % H;  // the first key tile meets the most queries
   const int64_t ld = int64_t(H) * dh, base = int64_t(b) * T * ld + int64_t(h) * dh;
   const bool vec = dh % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(q + base) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(k + base) % 16 == 0 && reinterpret_cast<uintptr_t>(v + base) % 16 == 0 &&
@@ -408,8 +428,7 @@ void launch_flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k, c
                           int64_t H, int64_t dh, cudaStream_t stream) {
   const size_t bytes = sizeof(bf16) * 5 * kFlashRows * (kD + 8);
   MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  const dim3 grid(unsigned((T + kFlashRows - 1) / kFlashRows), unsigned(B * H));
-  flash_forward<kD><<<grid, kFlashThreads, bytes, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh));
+  flash_forward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -420,8 +439,7 @@ void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, 
   const size_t bytes = sizeof(bf16) * (6 * kFlashRows * (kD + 8) + kFlashRows * (kFlashRows + 8)) +
                        sizeof(float) * 4 * kFlashRows;
   MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_backward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  const dim3 grid(unsigned((T + kFlashRows - 1) / kFlashRows), unsigned(B * H));
-  flash_backward<kD><<<grid, kFlashThreads, bytes, stream>>>(dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H),
+  flash_backward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H),
                                                              int(dh));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
