@@ -82,45 +82,36 @@ __global__ void layernorm_forward_kernel(__nv_bfloat16* out, __nv_bfloat16* x_bf
   const float* xr = x + row * d;
   constexpr int kStride = 32 * V, kHeld = kStride * kRegisterChunks;
   Cols<V> held[kRegisterChunks];
-  float s = 0.f;
 #pragma unroll
   for (int c = 0; c < kRegisterChunks; ++c)
     if (const int i = lane * V + c * kStride; i < d) held[c] = load_cols<V>(xr + i);
+  // f(i, columns) over this lane's chunks in column order: the held ones, then those read again.
+  auto each_chunk = [&](auto f) {
 #pragma unroll
-  for (int c = 0; c < kRegisterChunks; ++c)
-    if (lane * V + c * kStride < d)
-#pragma unroll
-      for (int k = 0; k < V; ++k) s += held[c].v[k];
-  for (int i = kHeld + lane * V; i < d; i += kStride) {
-    const Cols<V> xv = load_cols<V>(xr + i);
+    for (int c = 0; c < kRegisterChunks; ++c)
+      if (const int i = lane * V + c * kStride; i < d) f(i, held[c]);
+    for (int i = kHeld + lane * V; i < d; i += kStride) f(i, load_cols<V>(xr + i));
+  };
+  float s = 0.f;
+  each_chunk([&](int, const Cols<V>& xv) {
 #pragma unroll
     for (int k = 0; k < V; ++k) s += xv.v[k];
-  }
+  });
   const float mu = warp_sum(s) / float(d);
   float v = 0.f;
-#pragma unroll
-  for (int c = 0; c < kRegisterChunks; ++c)
-    if (lane * V + c * kStride < d)
-#pragma unroll
-      for (int k = 0; k < V; ++k) v += (held[c].v[k] - mu) * (held[c].v[k] - mu);
-  for (int i = kHeld + lane * V; i < d; i += kStride) {
-    const Cols<V> xv = load_cols<V>(xr + i);
+  each_chunk([&](int, const Cols<V>& xv) {
 #pragma unroll
     for (int k = 0; k < V; ++k) v += (xv.v[k] - mu) * (xv.v[k] - mu);
-  }
+  });
   const float rs = rsqrtf(warp_sum(v) / float(d) + float(kLayerNormEps));
-  auto normalise = [&](int i, const Cols<V>& xv) {
+  each_chunk([&](int i, const Cols<V>& xv) {
     const Cols<V> wv = load_cols<V>(w + i), bv = load_cols<V>(b + i);
     Cols<V> o;
 #pragma unroll
     for (int k = 0; k < V; ++k) o.v[k] = (xv.v[k] - mu) * rs * wv.v[k] + bv.v[k];
     store_cols<V>(out + row * d + i, o);
     if (x_bf16) store_cols<V>(x_bf16 + row * d + i, xv);
-  };
-#pragma unroll
-  for (int c = 0; c < kRegisterChunks; ++c)
-    if (const int i = lane * V + c * kStride; i < d) normalise(i, held[c]);
-  for (int i = kHeld + lane * V; i < d; i += kStride) normalise(i, load_cols<V>(xr + i));
+  });
   if (lane == 0) {
     mean[row] = mu;
     rstd[row] = rs;
@@ -132,9 +123,8 @@ __global__ void layernorm_forward_kernel(__nv_bfloat16* out, __nv_bfloat16* x_bf
 // atomics), and the block adds the slices into the global gradients once.
 template <int V>
 __global__ void layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, float* dw, float* db, const float* dout,
-                                          const float* x,
-                                          const __nv_bfloat16* w, const float* mean, const float* rstd, int64_t n,
-                                          int d) {
+                                          const float* x, const __nv_bfloat16* w, const float* mean, const float* rstd,
+                                          int64_t n, int d) {
   extern __shared__ float acc[];  // [kBackwardWarps][2][d]
   for (int i = threadIdx.x; i < kBackwardWarps * 2 * d; i += blockDim.x) acc[i] = 0.f;
   __syncthreads();
