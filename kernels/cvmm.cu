@@ -167,8 +167,8 @@ __device__ __forceinline__ void store_acc(float* Cs, const float (&acc)[64], int
 }
 
 // dst(r)[0, n) += Cs[r][0, n) for r < rows, by the L2's bulk reduction: one asynchronous copy of a
-// whole row per thread instead of a 16-byte atomic per thread and 4 columns. Needs n % 4 == 0 and
-// 16-byte aligned destinations. Returns once shared memory has been read.
+// whole row per thread. Needs n % 4 == 0 and 16-byte aligned destinations. Returns once shared
+// memory has been read.
 template <class Row>
 __device__ __forceinline__ void add_rows_async(const float* Cs, int rows, int n, Row dst) {
   wgmma::fence_shared_for_async();  // this thread's writes to Cs, visible to the copy engine
@@ -186,7 +186,6 @@ __host__ __device__ inline bool rows_addable(const float* base, int64_t width, i
 
 // cvmm_rows: one block per (row tile, 128 output columns), K through the cp.async pipeline. The
 // epilogue weights the tile's rows, then stores them in bf16 or adds them into fp32 rows.
-
 template <bool kTransW>
 __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, CvmmRowsArgs a) {
   extern __shared__ unsigned char smem_raw[];
@@ -251,10 +250,10 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
     }
   }
   if (a.accumulate && rows_addable(a.out_f32, N, n_valid)) {
-    // Scatter: weight the rows in place (after the routing-weight gradient has read them), then
-    // add each into its output row.
+    // Scatter: weight the rows in place (once the routing-weight gradient, if any, has read
+    // them), then add each into its output row.
     if (a.weight) {
-      __syncthreads();
+      if (a.dweight) __syncthreads();
       for (int i = threadIdx.x; i < rows * (BN / 4); i += kRowsThreads) {
         float4* c = reinterpret_cast<float4*>(Cs + (i / (BN / 4)) * kCStride) + i % (BN / 4);
         const float w = tr.weight[i / (BN / 4)];
@@ -283,7 +282,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
       const float4* c = reinterpret_cast<const float4*>(Cs + r * kCStride + n);
       const float4 c0 = c[0], c1 = c[1];
       const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-      alignas(16) bf16 dot[8], v[8];
+      alignas(16) bf16 dot[8] = {}, v[8];
       if (masked) *reinterpret_cast<uint4*>(dot) = *reinterpret_cast<const uint4*>(a.dot_rows + at);
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = stored(w * cv[j], dot[j]);
