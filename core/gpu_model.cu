@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 
 #include "kernels/cast_cuda.h"
@@ -102,6 +103,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   const int64_t router_rows = router_ld(std::max(cfg_.ff_n_experts, he));  // padded rows: see router_ld
   dz_ = DeviceBuffer<float>(size_t(N * router_rows));
   dzb_ = DeviceBuffer<bf16>(size_t(N * router_rows));
+  MOEUT_CUDA_CHECK(cudaMemset(dzb_.get(), 0, dzb_.size() * sizeof(bf16)));  // its padding stays zero
   router_w_ = DeviceBuffer<bf16>(size_t(router_rows * d));
   MOEUT_CUDA_CHECK(cudaMemset(router_w_.get(), 0, router_w_.size() * sizeof(bf16)));
   dheads_f32_ = DeviceBuffer<float>(size_t(N * hd));
@@ -112,7 +114,18 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
     recv_dw_ = DeviceBuffer<float>(size_t(M * kf));
     recv_dy_ = DeviceBuffer<bf16>(size_t(M * d));
   }
-  for (auto* b : {&dheads_, &dq_, &dk_, &dv_}) *b = DeviceBuffer<bf16>(size_t(N * hd));
+  for (auto* b : {&dheads_, &dv_}) *b = DeviceBuffer<bf16>(size_t(N * hd));
+  attn_in_ld_ = (2 * hd + 2 * he + 7) / 8 * 8;  // rows 16-byte multiples, for cuBLAS's aligned kernels
+  attn_in_grad_ = DeviceBuffer<bf16>(size_t(N * attn_in_ld_));
+  attn_in_weights_ = DeviceBuffer<bf16>(size_t(attn_in_ld_ * d));
+  MOEUT_CUDA_CHECK(cudaMemset(attn_in_grad_.get(), 0, attn_in_grad_.size() * sizeof(bf16)));
+  MOEUT_CUDA_CHECK(cudaMemset(attn_in_weights_.get(), 0, attn_in_weights_.size() * sizeof(bf16)));
+  for (int64_t g = 0; g < cfg_.group_size; ++g) {  // stacked by one copy each (see attention_backward)
+    const std::string p = layer_prefix(g);
+    if (layout_.at(p + "attention.k.weight").offset != layout_.at(p + "attention.q.weight").offset + hd * d ||
+        layout_.at(p + "attention.sel_o").offset != layout_.at(p + "attention.sel_v").offset + he * d)
+      throw std::logic_error("GpuModel: attention q/k and router weights are expected adjacent in the layout");
+  }
   attention_ = std::make_unique<cuda::CausalAttention>(cublas_, batch, T, H, cfg_.d_head);
   reg_ffn_ = std::make_unique<cuda::EntropyReg>(batch, 1, cfg_.ff_n_experts);
   reg_att_ = std::make_unique<cuda::EntropyReg>(batch, H, cfg_.att_n_experts);
@@ -215,9 +228,10 @@ void GpuModel::attention_forward(int64_t l) {
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
   const float* x = xs_[l].get();
   mark(Part::kOther);
-  // xb: the raw residual in bf16, which the value experts read.
+  // xb: the raw residual in bf16, which the value experts read; x_mid starts as a copy of x (the
+  // output experts add onto it).
   cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
-                          d, stream_, L.xb.get());
+                          d, stream_, L.xb.get(), L.x_mid.get());
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
   dense(xn_.get(), p + "attention.q.weight", N, hd, s, L.q.get(), CUDA_R_16BF);
@@ -241,8 +255,6 @@ void GpuModel::attention_forward(int64_t l) {
   cuda::to_bf16(L.v.get(), vsum_.get(), N * hd, stream_);
   mark(Part::kAttention);
   attention_->forward(L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
-  mark(Part::kOther);
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(L.x_mid.get(), x, size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
                                      nullptr, dh, d, false, true}, stream_);
@@ -252,16 +264,14 @@ void GpuModel::ffn_forward(int64_t l) {
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
+  float* y = xs_[l + 1].get();  // starts as a copy of x_mid (the experts add onto it)
   mark(Part::kOther);
   cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
-                          wparam(p + "ln2.bias"), N, d, stream_, L.x_midb.get());
+                          wparam(p + "ln2.bias"), N, d, stream_, L.x_midb.get(), y);
   mark(Part::kDense);
   router_logits(xn_.get(), p + "ffn.expert_sel", Ef, L.z.get());
   mark(Part::kRouting);
   cuda::topk_sigmoid_forward(L.i_ff.get(), L.w_ff.get(), L.z.get(), N, 1, Ef, kf, stream_);
-  float* y = xs_[l + 1].get();
-  mark(Part::kOther);
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(y, L.x_mid.get(), size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   if (!dispatcher_) {
     mark(Part::kExperts);
     experts_forward(l, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, y);
@@ -365,37 +375,34 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
   return out;
 }
 
-void GpuModel::dense_backward(const bf16* dy, const bf16* x, const std::string& weight, int64_t rows, int64_t out,
-                              float alpha, float* dx, bool accumulate, int64_t dy_ld, const bf16* padded_w) {
+void GpuModel::dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, float* dW, int64_t rows, int64_t out) {
   const int64_t d = cfg_.d_model;
-  if (dy_ld == 0) dy_ld = out;
-  // With padded_w [dy_ld, d] (finite rows past out) and dy's pad columns zero, dx sums over dy_ld.
-  const int64_t k = padded_w ? dy_ld : out;
-  const float one = 1.f, beta = accumulate ? 1.f : 0.f;
-  // dW [out, d] += alpha · dyᵀ x  <=>  cm [d, out] += alpha · x(cm [d, rows]) · dy(cm [out, rows])ᵀ
-  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(d), int(out), int(rows), &alpha, x, CUDA_R_16BF, int(d),
-                            dy, CUDA_R_16BF, int(dy_ld), &one, gparam(weight), CUDA_R_32F, int(d), CUBLAS_COMPUTE_32F,
+  const float one = 1.f;
+  // dW [out, d] += dyᵀ x  <=>  cm [d, out] += x(cm [d, rows]) · dy(cm [out, rows])ᵀ
+  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(d), int(out), int(rows), &one, x, CUDA_R_16BF, int(d),
+                            dy, CUDA_R_16BF, int(dy_ld), &one, dW, CUDA_R_32F, int(d), CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT),
-               (weight + " weight gradient").c_str());
-  // dx [rows, d] = alpha · dy W  <=>  cm [d, rows] = alpha · W(cm [d, out]) · dy(cm [out, rows])
-  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(d), int(rows), int(k), &alpha, padded_w ? padded_w : wparam(weight),
-                            CUDA_R_16BF, int(d), dy, CUDA_R_16BF, int(dy_ld), &beta, dx, CUDA_R_32F, int(d),
-                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               (weight + " input gradient").c_str());
+               "dense weight gradient");
 }
 
-void GpuModel::router_backward(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E,
-                               int64_t k, const bf16* x, const std::string& weight, bool accumulate) {
+void GpuModel::dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, float* dx) {
+  const int64_t d = cfg_.d_model;
+  const float one = 1.f, zero = 0.f;
+  // dx [rows, d] = dy W  <=>  cm [d, rows] = W(cm [d, k]) · dy(cm [k, rows])
+  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(d), int(rows), int(k), &one, W, CUDA_R_16BF, int(d), dy,
+                            CUDA_R_16BF, int(dy_ld), &zero, dx, CUDA_R_32F, int(d), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT),
+               "dense input gradient");
+}
+
+void GpuModel::routing_grad(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E,
+                            int64_t k, bf16* dzb, int64_t ld) {
   const int64_t N = B_ * cfg_.context, n = N * groups * E;
   mark(Part::kRouting);
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(dz_.get(), dz_reg, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   cuda::topk_sigmoid_backward(dz_.get(), dw_.get(), index, w, N, groups, E, k, stream_);
   mark(Part::kOther);
-  const int64_t ld = router_ld(groups * E);
-  cuda::to_bf16_rows(dzb_.get(), ld, dz_.get(), N, groups * E, stream_);
-  mark(Part::kDense);
-  dense_backward(dzb_.get(), x, weight, N, groups * E, 1.f, dxn_.get(), accumulate, ld,
-                 ld == groups * E ? nullptr : padded_router_weight(weight, groups * E));
+  cuda::to_bf16_rows(dzb, ld, dz_.get(), N, groups * E, stream_);
 }
 
 void GpuModel::ffn_backward(int64_t l) {
@@ -422,7 +429,13 @@ void GpuModel::ffn_backward(int64_t l) {
   mark(Part::kOther);  // LN2's output again, bit for bit: the same kernel on the same input
   cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
                           wparam(p + "ln2.bias"), N, d, stream_);
-  router_backward(L.z.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, xn_.get(), p + "ffn.expert_sel", false);
+  // The router: its gradient's rows padded to router_ld (zeros past Ef), its weight likewise.
+  const int64_t ld = router_ld(Ef);
+  routing_grad(L.z.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, dzb_.get(), ld);
+  mark(Part::kDense);
+  dense_weight_grad(dzb_.get(), ld, xn_.get(), gparam(p + "ffn.expert_sel"), N, Ef);
+  dense_input_grad(dzb_.get(), ld, ld == Ef ? wparam(p + "ffn.expert_sel") : padded_router_weight(p + "ffn.expert_sel", Ef),
+                   ld, N, dxn_.get());
   mark(Part::kOther);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
                            wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_, dresb_.get());
@@ -471,12 +484,21 @@ void GpuModel::attention_backward(int64_t l) {
                                             d, H * Ea}, weight_grads_->get());
   cuda::cvmm_rows(L.plan_o.view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
                                          dw_.get(), L.heads.get(), d, dh, true, true}, stream_);
-  router_backward(L.zo.get(), L.io.get(), L.wo.get(), H, Ea, ka, xn_.get(), p + "attention.sel_o", false);
+  // The gradients of LN1's four readers go side by side into attn_in_grad_ (see gpu_model.h):
+  // dq, dk, the value router's, the output router's.
+  bf16* const dq = attn_in_grad_.get();
+  bf16* const dk = dq + hd;
+  bf16* const dz_v = dq + 2 * hd;
+  bf16* const dz_o = dz_v + H * Ea;
+  routing_grad(L.zo.get(), L.io.get(), L.wo.get(), H, Ea, ka, dz_o, attn_in_ld_);
   mark(Part::kOther);
   cuda::to_bf16(dheads_.get(), dheads_f32_.get(), N * hd, stream_);
   mark(Part::kAttention);
-  attention_->backward(dq_.get(), dk_.get(), dv_.get(), dheads_.get(), L.heads.get(), L.lse.get(), L.q.get(), L.k.get(),
-                       L.v.get(), stream_);
+  // q and k were scaled by s in the forward pass: dq and dk come scaled alike, the gradients of
+  // the products before the scale.
+  const float s = float(std::pow(double(dh), -0.25));
+  attention_->backward(dq, dk, dv_.get(), dheads_.get(), L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), L.v.get(),
+                       stream_, attn_in_ld_, s);
   // Value experts read the raw residual: their input gradient adds onto dres.
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
   mark(Part::kExperts);
@@ -485,14 +507,20 @@ void GpuModel::attention_backward(int64_t l) {
                                             H * Ea}, weight_grads_->get());
   cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), dw_.get(),
                                          L.xb.get(), dh, d, true, true}, stream_);
-  router_backward(L.zv.get(), L.iv.get(), L.wv.get(), H, Ea, ka, xn_.get(), p + "attention.sel_v", true);
+  routing_grad(L.zv.get(), L.iv.get(), L.wv.get(), H, Ea, ka, dz_v, attn_in_ld_);
   mark(Part::kAttention);
-  cuda::rope_backward(dq_.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
-  cuda::rope_backward(dk_.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
-  const float s = float(std::pow(double(dh), -0.25));
+  cuda::rope_backward(dq, B_, T, H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);
+  cuda::rope_backward(dk, B_, T, H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);
   mark(Part::kDense);
-  dense_backward(dq_.get(), xn_.get(), p + "attention.q.weight", N, hd, s, dxn_.get(), true);
-  dense_backward(dk_.get(), xn_.get(), p + "attention.k.weight", N, hd, s, dxn_.get(), true);
+  // Weight gradients: q and k are adjacent in the layout, as are the two routers (checked at
+  // construction), so each pair is one product. The input gradient is one product over all four.
+  dense_weight_grad(dq, attn_in_ld_, xn_.get(), gparam(p + "attention.q.weight"), N, 2 * hd);
+  dense_weight_grad(dz_v, attn_in_ld_, xn_.get(), gparam(p + "attention.sel_v"), N, 2 * H * Ea);
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(attn_in_weights_.get(), wparam(p + "attention.q.weight"),
+                                   size_t(2 * hd * d) * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(attn_in_weights_.get() + 2 * hd * d, wparam(p + "attention.sel_v"),
+                                   size_t(2 * H * Ea * d) * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
+  dense_input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get(), attn_in_ld_, N, dxn_.get());
   weight_grads_->join();
   mark(Part::kOther);
   // dresb for the layer below (none below the first: the embedding's gradient reads dres).

@@ -80,13 +80,14 @@ class GpuModel {
   // gradients, and the expert-weight gradients.
   void experts_backward(int64_t l, const bf16* dY, const bf16* X, const float* weight, int64_t rows, float* dX, float* dw);
   void attention_backward(int64_t l);
-  // d(weight) += alpha · dyᵀ·x; dx = alpha · dy·W (+ dx when accumulate): the backward of dense.
-  // dy's rows are dy_ld elements apart (0: out); padded_w: see padded_router_weight.
-  void dense_backward(const bf16* dy, const bf16* x, const std::string& weight, int64_t rows, int64_t out, float alpha,
-                      float* dx, bool accumulate, int64_t dy_ld = 0, const bf16* padded_w = nullptr);
-  // dz = regulariser gradient + routing backward; then the router's dense backward into dxn_.
-  void router_backward(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E, int64_t k,
-                       const bf16* x, const std::string& weight, bool accumulate);
+  // The backward of dense, in two halves. dy [rows, *] has rows dy_ld elements apart.
+  // dW [out, d] += dyᵀ·x;  dx [rows, d] = dy[:, :k] · W [k, d].
+  void dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, float* dW, int64_t rows, int64_t out);
+  void dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, float* dx);
+  // The routing logits' gradient, dz = regulariser gradient + routing backward, into dz_ (fp32)
+  // and, in bf16, into dzb [rows, groups·E] with rows ld elements apart.
+  void routing_grad(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E, int64_t k,
+                    bf16* dzb, int64_t ld);
   // y's rows are y_ld elements apart (0: out_features); w: the weight's values when not the
   // parameter itself (a padded copy).
   void dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out_features, float alpha, void* y,
@@ -118,7 +119,12 @@ class GpuModel {
   cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_, vsum_;
   // Backward scratch, shared by the layers.
   cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dz_, dheads_f32_;
-  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dq_, dk_, dv_, router_w_;
+  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dv_, router_w_;
+  // The gradients of the four products that read LN1's output, side by side in one matrix
+  // [N, attn_in_ld_] (dq, dk, the value router's, the output router's; zero past them), and those
+  // products' weights stacked to match [attn_in_ld_, d]: their input gradient is one product.
+  cuda::DeviceBuffer<bf16> attn_in_grad_, attn_in_weights_;
+  int64_t attn_in_ld_ = 0;
   // Expert parallelism: rows received from the group (scratch; the forward's are per layer).
   cuda::DeviceBuffer<float> recv_rows_, recv_dw_;
   cuda::DeviceBuffer<bf16> recv_dy_;

@@ -15,9 +15,9 @@ using bf16 = __nv_bfloat16;
 // C_h = op(A_h) · op(B_h), with A_h, B_h, C_h at strides sa, sb, sc from a, b, c.
 void batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k,
              const void* a, cudaDataType at, int64_t lda, int64_t sa, const void* b, int64_t ldb, int64_t sb, void* c,
-             cudaDataType ct, int64_t ldc, int64_t sc, int64_t batch) {
-  const float one = 1.f, zero = 0.f;
-  check_cublas(cublasGemmStridedBatchedEx(h, ta, tb, int(m), int(n), int(k), &one, a, at, int(lda), sa, b, CUDA_R_16BF,
+             cudaDataType ct, int64_t ldc, int64_t sc, int64_t batch, float alpha = 1.f) {
+  const float zero = 0.f;
+  check_cublas(cublasGemmStridedBatchedEx(h, ta, tb, int(m), int(n), int(k), &alpha, a, at, int(lda), sa, b, CUDA_R_16BF,
                                           int(ldb), sb, &zero, c, ct, int(ldc), sc, int(batch), CUBLAS_COMPUTE_32F,
                                           CUBLAS_GEMM_DEFAULT),
                "attention product");
@@ -257,21 +257,22 @@ __global__ void flash_row_dots(float* D, const bf16* dout, const bf16* out, int6
   if (threadIdx.x % 32 == 0) D[r] = sum;
 }
 
-// dq (bf16) from its fp32 accumulator, same layout.
-__global__ void flash_dq_to_bf16(bf16* dq, const float* acc, int64_t n) {
+// dq (bf16, rows grad_ld apart, times scale) from its fp32 accumulator [tokens, hd].
+__global__ void flash_dq_to_bf16(bf16* dq, const float* acc, int64_t n, int64_t hd, int64_t grad_ld, float scale) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    dq[i] = __float2bfloat16(acc[i]);
+    dq[i / hd * grad_ld + i % hd] = __float2bfloat16(scale * acc[i]);
 }
 
 // One block: 64 keys of one (sequence, head), 4 warps of 16 keys, dK and dV accumulated in
 // registers over the query tiles at and below the diagonal. Per query tile: Sᵀ = K Qᵀ,
 // Pᵀ = exp2(Sᵀ - lse), dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - D), dK += dSᵀ Q; dSᵀ goes
 // through shared memory for dQ += dS K, which is added into an fp32 accumulator atomically
-// (every key tile adds to the same query rows).
+// (every key tile adds to the same query rows). dk: rows grad_ld apart, times grad_scale.
 template <int kD>
 __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout,
                                                                  const float* lse, const float* D, const bf16* q,
-                                                                 const bf16* k, const bf16* v, int T, int H, int dh) {
+                                                                 const bf16* k, const bf16* v, int T, int H, int dh,
+                                                                 int64_t grad_ld, float grad_scale) {
   constexpr int kStride = kD + 8, kTile = kFlashRows * kStride, kSStride = kFlashRows + 8;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(16) unsigned char flash_smem[];
@@ -417,7 +418,8 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
     for (int e = 0; e < 4; ++e) {
       const int key = e < 2 ? key_a : key_b, d = n * 8 + 2 * c + (e % 2);
       if (key < T && d < dh) {
-        dk[base + int64_t(key) * ld + d] = __float2bfloat16(dk_acc[n][e]);
+        dk[int64_t(b) * T * grad_ld + int64_t(h) * dh + int64_t(key) * grad_ld + d] =
+            __float2bfloat16(grad_scale * dk_acc[n][e]);
         dv[base + int64_t(key) * ld + d] = __float2bfloat16(dv_acc[n][e]);
       }
     }
@@ -435,12 +437,12 @@ void launch_flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k, c
 template <int kD>
 void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const float* lse, const float* D,
                            const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T, int64_t H, int64_t dh,
-                           cudaStream_t stream) {
+                           int64_t grad_ld, float grad_scale, cudaStream_t stream) {
   const size_t bytes = sizeof(bf16) * (6 * kFlashRows * (kD + 8) + kFlashRows * (kFlashRows + 8)) +
                        sizeof(float) * 4 * kFlashRows;
   MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_backward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
   flash_backward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H),
-                                                             int(dh));
+                                                             int(dh), grad_ld, grad_scale);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -500,8 +502,11 @@ void CausalAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* 
 }
 
 void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* out, const float* lse,
-                               const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream) {
+                               const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream, int64_t grad_ld,
+                               float grad_scale) {
   if (B_ == 0) return;
+  if (grad_ld == 0) grad_ld = H_ * dh_;
+  if (grad_ld < H_ * dh_) throw std::invalid_argument("CausalAttention: gradient rows narrower than the heads");
   if (flash()) {
     const int64_t rows = B_ * H_ * T_, n = B_ * T_ * H_ * dh_;
     flash_row_dots<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(row_dots_.get(), dout, out, rows, int(T_), int(H_),
@@ -509,9 +514,11 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, c
     MOEUT_CUDA_CHECK(cudaGetLastError());
     MOEUT_CUDA_CHECK(cudaMemsetAsync(dq_acc_.get(), 0, size_t(n) * sizeof(float), stream));
     with_padded_head(dh_, [&](auto kD) {
-      launch_flash_backward<kD>(dk, dv, dq_acc_.get(), dout, lse, row_dots_.get(), q, k, v, B_, T_, H_, dh_, stream);
+      launch_flash_backward<kD>(dk, dv, dq_acc_.get(), dout, lse, row_dots_.get(), q, k, v, B_, T_, H_, dh_, grad_ld,
+                                grad_scale, stream);
     });
-    flash_dq_to_bf16<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(dq, dq_acc_.get(), n);
+    flash_dq_to_bf16<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(dq, dq_acc_.get(), n,
+                                                                                             H_ * dh_, grad_ld, grad_scale);
     MOEUT_CUDA_CHECK(cudaGetLastError());
     return;
   }
@@ -533,9 +540,9 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, c
   for (int64_t b = 0; b < B_; ++b) {
     // dQ = dS K  <=>  dQᵀ(cm) = Kᵀ(cm) · dSᵀ(cm);  dK = dSᵀ Q  <=>  dKᵀ(cm) = Qᵀ(cm) · dS(cm)
     batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, dh_, T_, T_, k + b * seq, CUDA_R_16BF, ld, dh_, dS + b * H_ * tt, T_, tt,
-            dq + b * seq, CUDA_R_16BF, ld, dh_, H_);
+            dq + b * T_ * grad_ld, CUDA_R_16BF, grad_ld, dh_, H_, grad_scale);
     batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, dh_, T_, T_, q + b * seq, CUDA_R_16BF, ld, dh_, dS + b * H_ * tt, T_, tt,
-            dk + b * seq, CUDA_R_16BF, ld, dh_, H_);
+            dk + b * T_ * grad_ld, CUDA_R_16BF, grad_ld, dh_, H_, grad_scale);
   }
 }
 

@@ -24,10 +24,12 @@ class CausalAttention {
   // softmax denominator); unused above head size 128.
   void forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                cudaStream_t stream);
-  // Overwrites dq, dk, dv. out and lse: the forward's.
+  // Overwrites dq, dk, dv. out and lse: the forward's. dq and dk come multiplied by grad_scale
+  // (the scale the caller folded into q and k), their token rows grad_ld elements apart (0: H·dh),
+  // so that a caller can place them side by side in one matrix.
   void backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
                 const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                const __nv_bfloat16* v, cudaStream_t stream);
+                const __nv_bfloat16* v, cudaStream_t stream, int64_t grad_ld = 0, float grad_scale = 1.f);
 
  private:
   bool flash() const { return dh_ <= 128; }

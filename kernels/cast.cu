@@ -16,8 +16,7 @@ __global__ void to_bf16_kernel(__nv_bfloat16* out, const float* x, int64_t n) {
 
 __global__ void to_bf16_rows_kernel(__nv_bfloat16* out, int64_t out_ld, const float* x, int64_t rows, int64_t cols) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
-    for (int64_t c = threadIdx.x; c < out_ld; c += blockDim.x)
-      out[r * out_ld + c] = __float2bfloat16(c < cols ? x[r * cols + c] : 0.f);
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) out[r * out_ld + c] = __float2bfloat16(x[r * cols + c]);
 }
 
 }  // namespace

@@ -129,6 +129,7 @@ void check(const Shape& s) {
 TEST_F(GpuTest, CvmmMatchesTheCpuReference) {
   for (const Shape& s : {Shape{300, 12, 3, 64, 32, false, false}, Shape{517, 40, 4, 412, 128, true, false},  // 44M d
                          Shape{200, 24, 2, 82, 96, false, false},                                              // 44M dh
+                         Shape{333, 20, 4, 320, 64, false, false},  // three column tiles, the last partial
                          Shape{300, 12, 3, 64, 32, false, true}, Shape{2048, 565, 24, 1536, 128, false, false},
                          Shape{1024, 565, 24, 1536, 128, true, false}})
     check(s);

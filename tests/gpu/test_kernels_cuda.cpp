@@ -2,6 +2,9 @@
 // RoPE, sigmoid top-k routing, AdamW and the gradient norm. Outputs are poisoned first.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "gpu_test.h"
 #include "kernels/adamw.h"
 #include "kernels/adamw_cuda.h"
@@ -46,11 +49,14 @@ TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
         gdx(dx0), gdw(std::vector<float>(d, 0.5f)), gdb(std::vector<float>(d, -0.5f));
     DeviceBuffer<bf16> gw(to_bf16(w)), gb(to_bf16(b)), gout(std::vector<bf16>(n * d, __float2bfloat16(NAN))),
         gxb(gout.download()), gdxb(gout.download());
-    cuda::layernorm_forward(gout.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0, gxb.get());
+    DeviceBuffer<float> gxcopy(std::vector<float>(n * d, NAN));
+    cuda::layernorm_forward(gout.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0, gxb.get(),
+                            gxcopy.get());
     cuda::layernorm_backward(gdx.get(), gdw.get(), gdb.get(), gdout.get(), gx.get(), gw.get(), gmean.get(), grstd.get(),
                              n, d, 0, gdxb.get());
-    // The bf16 copies: x exactly (its values are bf16), dx rounded from the fp32 result.
+    // The copies: x exactly (its values are bf16), dx rounded from the fp32 result.
     EXPECT_EQ(to_float(gxb.download()), x) << "bf16 copy of x";
+    EXPECT_EQ(gxcopy.download(), x) << "fp32 copy of x";
     EXPECT_EQ(to_float(gdxb.download()), to_float(to_bf16(gdx.download()))) << "bf16 copy of dx";
     EXPECT_LE(rel_error(to_float(gout.download()), out), 1e-2) << "output (bf16)";
     EXPECT_LE(rel_error(gmean.download(), mean), 1e-5) << "mean";
@@ -59,6 +65,14 @@ TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
     EXPECT_LE(rel_error(gdw.download(), dw), 1e-4) << "weight gradient";
     EXPECT_LE(rel_error(gdb.download(), db), 1e-4) << "bias gradient";
   }
+}
+
+// Columns [c0, c0 + width) of the rows of a matrix whose rows are ld apart.
+std::vector<float> columns(const std::vector<float>& m, int64_t ld, int64_t c0, int64_t width) {
+  std::vector<float> out;
+  for (size_t r = 0; r < m.size() / size_t(ld); ++r)
+    out.insert(out.end(), m.begin() + int64_t(r) * ld + c0, m.begin() + int64_t(r) * ld + c0 + width);
+  return out;
 }
 
 TEST_F(GpuTest, RopeMatchesTheCpuReference) {
@@ -75,16 +89,28 @@ TEST_F(GpuTest, RopeMatchesTheCpuReference) {
     cuda::rope_backward(g2.get(), B, T, H, dh, n_rot, 0);
     EXPECT_LE(rel_error(to_float(g1.download()), fwd), 1e-2) << "forward";
     EXPECT_LE(rel_error(to_float(g2.download()), bwd), 1e-2) << "backward";
+    // Backward in place on token rows ld apart, beside other columns (poisoned: left alone).
+    const int64_t hd = H * dh, ld = hd + 24;
+    std::vector<float> wide(size_t(B * T * ld), NAN);
+    for (int64_t r = 0; r < B * T; ++r) std::copy(x.begin() + r * hd, x.begin() + (r + 1) * hd, wide.begin() + r * ld + 8);
+    DeviceBuffer<bf16> g3(to_bf16(wide));
+    cuda::rope_backward(g3.get() + 8, B, T, H, dh, n_rot, 0, ld);
+    const std::vector<float> got = to_float(g3.download());
+    EXPECT_LE(rel_error(columns(got, ld, 8, hd), bwd), 1e-2) << "backward, rows ld apart";
+    for (int64_t c : {int64_t(0), hd + 8})
+      for (float v : columns(got, ld, c, 8)) EXPECT_TRUE(std::isnan(v)) << "columns beside the heads";
   }
 }
 
 TEST_F(GpuTest, SigmoidTopKMatchesTheCpuReference) {
-  struct Case { int64_t n, groups, E, k; };
-  for (const Case& c : {Case{4096, 1, 565, 24}, Case{1000, 6, 12, 2}, Case{300, 1, 40, 32}}) {
-    SCOPED_TRACE("E " + std::to_string(c.E) + " k " + std::to_string(c.k));
+  // coarse: logits on a grid of 0.5, so that many tie, at the k-th largest too.
+  struct Case { int64_t n, groups, E, k; bool coarse; };
+  for (const Case& c : {Case{4096, 1, 565, 24, false}, Case{1000, 6, 12, 2, false}, Case{300, 1, 40, 32, false},
+                        Case{500, 1, 1024, 32, false}, Case{777, 1, 387, 16, true}, Case{999, 6, 12, 2, true}}) {
+    SCOPED_TRACE("E " + std::to_string(c.E) + " k " + std::to_string(c.k) + (c.coarse ? " coarse" : ""));
     Rng rng{uint64_t(c.E)};
     std::vector<float> z(c.n * c.groups * c.E);
-    for (auto& v : z) v = float(rng.normal());
+    for (auto& v : z) v = c.coarse ? float(std::round(2 * rng.normal()) / 2) : float(rng.normal());
     for (int64_t i = 0; i < c.n; i += 7) z[i * c.groups * c.E + 1] = z[i * c.groups * c.E];  // ties
     const int64_t sel = c.n * c.groups * c.k;
     std::vector<int32_t> idx(sel);
@@ -253,6 +279,18 @@ TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {
     EXPECT_LE(rel_error(to_float(gdq.download()), dq), 1e-2) << "dq";
     EXPECT_LE(rel_error(to_float(gdk.download()), dk), 1e-2) << "dk";
     EXPECT_LE(rel_error(to_float(gdv.download()), dv), 1e-2) << "dv";
+    // dq and dk side by side in one matrix, scaled, beside columns that stay poisoned.
+    const int64_t hd = c.H * c.dh, ld = 2 * hd + 8;
+    DeviceBuffer<bf16> gdqk(std::vector<bf16>(size_t(c.B * c.T * ld), __float2bfloat16(NAN)));
+    att.backward(gdqk.get(), gdqk.get() + hd, gdv.get(), gdout.get(), gout.get(), lse.get(), gq.get(), gk.get(), gv.get(),
+                 0, ld, 0.5f);
+    const std::vector<float> dqk = to_float(gdqk.download());
+    std::vector<float> half_dq = dq, half_dk = dk;
+    for (auto* g : {&half_dq, &half_dk})
+      for (float& v : *g) v *= 0.5f;
+    EXPECT_LE(rel_error(columns(dqk, ld, 0, hd), half_dq), 1e-2) << "dq, scaled, rows ld apart";
+    EXPECT_LE(rel_error(columns(dqk, ld, hd, hd), half_dk), 1e-2) << "dk, scaled, rows ld apart";
+    for (float v : columns(dqk, ld, 2 * hd, 8)) EXPECT_TRUE(std::isnan(v)) << "columns past dq and dk";
   }
   cublasDestroy(cublas);
 }
