@@ -1,4 +1,5 @@
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda_check.h"
 #include "kernels/entropy_reg_cuda.h"
@@ -8,28 +9,43 @@ namespace {
 
 constexpr int kPositionsPerBlock = 64, kThreads = 256;
 
-// One warp per position: log-sum-exp over the E experts of that position and group.
+// A position's E logits are handled by L lanes of a warp (L: the power of two at or above E, at
+// most 32), 32 / L positions per warp: attention's 12 experts would otherwise leave most lanes
+// idle through each reduction. Every lane of a warp runs each reduction (positions past the end
+// with a clamped row, their results unused).
+template <int L>
+__device__ inline float group_sum(float v) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+// Log-sum-exp over the E logits at z; lane: this lane's index within its L.
+template <int L>
 __device__ inline float position_lse(const float* z, int E, int lane) {
   float mx = -INFINITY;
-  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, z[e]);
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  for (int e = lane; e < E; e += L) mx = fmaxf(mx, z[e]);
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float s = 0.f;
-  for (int e = lane; e < E; e += 32) s += __expf(z[e] - mx);
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  return mx + __logf(s);
+  for (int e = lane; e < E; e += L) s += __expf(z[e] - mx);
+  return mx + __logf(group_sum<L>(s));
 }
 
 // Sums softmax(z) over the positions of (b, g) into mean[b, g, :]; block (chunk, g, b).
+template <int L>
 __global__ void accumulate_mean(float* mean, const float* z, int T, int groups, int E, float inv_S) {
   extern __shared__ float part[];  // [E]
-  const int g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int kPerWarp = 32 / L;
+  const int g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x % L, warp = threadIdx.x / 32;
   for (int e = threadIdx.x; e < E; e += blockDim.x) part[e] = 0.f;
   __syncthreads();
   const int t_end = min(T, int(blockIdx.x + 1) * kPositionsPerBlock);
-  for (int t = int(blockIdx.x) * kPositionsPerBlock + warp; t < t_end; t += kThreads / 32) {
-    const float* zp = z + ((int64_t(b) * T + t) * groups + g) * E;
-    const float lse = position_lse(zp, E, lane);
-    for (int e = lane; e < E; e += 32) atomicAdd(&part[e], __expf(zp[e] - lse) * inv_S);
+  for (int t0 = int(blockIdx.x) * kPositionsPerBlock + warp * kPerWarp; t0 < t_end; t0 += kThreads / L) {
+    const int t = t0 + threadIdx.x % 32 / L;
+    const float* zp = z + ((int64_t(b) * T + min(t, t_end - 1)) * groups + g) * E;
+    const float lse = position_lse<L>(zp, E, lane);
+    if (t < t_end)
+      for (int e = lane; e < E; e += L) atomicAdd(&part[e], __expf(zp[e] - lse) * inv_S);
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) atomicAdd(&mean[(int64_t(b) * groups + g) * E + e], part[e]);
@@ -51,22 +67,35 @@ __global__ void entropy_terms(float* mean, double* loss, int rows, int E, double
   if (lane == 0) atomicAdd(loss, scale * double(h));
 }
 
-// dz[s, e] = scale · p[s, e] · (c[e] − Σ_e' p[s, e'] c[e']); one warp per position. dz may be z:
+// dz[s, e] = scale · p[s, e] · (c[e] − Σ_e' p[s, e'] c[e']); L lanes per position. dz may be z:
 // each lane reads its logits for the sums before it overwrites them.
+template <int L>
 __global__ void entropy_grad(float* dz, const float* z, const float* c, int64_t positions, int T, int groups, int E,
                              float scale) {
-  const int64_t pos = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;  // (b, t, g)
-  const int lane = threadIdx.x % 32;
-  if (pos >= positions) return;
-  const int g = int(pos % groups);
-  const int64_t b = pos / groups / T;
-  const float* zp = z + pos * E;
+  const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * 32 / L;  // the warp's first
+  if (first >= positions) return;  // whole warps only
+  const int64_t pos = first + threadIdx.x % 32 / L;  // (b, t, g)
+  const int lane = threadIdx.x % L;
+  const int64_t at = min(pos, positions - 1);
+  const int g = int(at % groups);
+  const int64_t b = at / groups / T;
+  const float* zp = z + at * E;
   const float* cp = c + (b * groups + g) * E;
-  const float lse = position_lse(zp, E, lane);
+  const float lse = position_lse<L>(zp, E, lane);
   float dot = 0.f;
-  for (int e = lane; e < E; e += 32) dot += __expf(zp[e] - lse) * cp[e];
-  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-  for (int e = lane; e < E; e += 32) dz[pos * E + e] = scale * __expf(zp[e] - lse) * (cp[e] - dot);
+  for (int e = lane; e < E; e += L) dot += __expf(zp[e] - lse) * cp[e];
+  dot = group_sum<L>(dot);
+  if (pos < positions)
+    for (int e = lane; e < E; e += L) dz[pos * E + e] = scale * __expf(zp[e] - lse) * (cp[e] - dot);
+}
+
+// Calls f with L (see above) for E as a compile-time constant.
+template <class F>
+void with_lanes(int64_t E, F f) {
+  if (E <= 4) f(std::integral_constant<int, 4>{});
+  else if (E <= 8) f(std::integral_constant<int, 8>{});
+  else if (E <= 16) f(std::integral_constant<int, 16>{});
+  else f(std::integral_constant<int, 32>{});
 }
 
 }  // namespace
@@ -80,17 +109,21 @@ void EntropyReg::forward_backward(const std::vector<float*>& duses, const std::v
   if (rows == 0) return;
   MOEUT_CUDA_CHECK(cudaMemsetAsync(mean_.get(), 0, mean_.size() * sizeof(float), stream));
   const dim3 grid(unsigned((T + kPositionsPerBlock - 1) / kPositionsPerBlock), unsigned(groups_), unsigned(B_));
-  for (const float* z : uses)
-    accumulate_mean<<<grid, kThreads, E_ * sizeof(float), stream>>>(mean_.get(), z, int(T), int(groups_), int(E_),
-                                                                     float(1.0 / double(S)));
+  with_lanes(E_, [&](auto L) {
+    for (const float* z : uses)
+      accumulate_mean<L><<<grid, kThreads, E_ * sizeof(float), stream>>>(mean_.get(), z, int(T), int(groups_), int(E_),
+                                                                          float(1.0 / double(S)));
+  });
   MOEUT_CUDA_CHECK(cudaGetLastError());
   entropy_terms<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(mean_.get(), loss, int(rows), int(E_), coef / double(rows));
   MOEUT_CUDA_CHECK(cudaGetLastError());
   const int64_t positions = B_ * T * groups_;
-  for (int64_t r = 0; r < R; ++r)
-    entropy_grad<<<unsigned((positions + 7) / 8), 256, 0, stream>>>(duses[r], uses[r], mean_.get(), positions, int(T),
-                                                                    int(groups_), int(E_),
-                                                                    float(coef / double(rows) / double(S)));
+  with_lanes(E_, [&](auto L) {
+    const int64_t per_block = 256 / L;
+    for (int64_t r = 0; r < R; ++r)
+      entropy_grad<L><<<unsigned((positions + per_block - 1) / per_block), 256, 0, stream>>>(
+          duses[r], uses[r], mean_.get(), positions, int(T), int(groups_), int(E_), float(coef / double(rows) / double(S)));
+  });
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -151,7 +151,8 @@ TEST_F(GpuTest, AdamWAndGradientNormMatchTheCpuReference) {
 
 TEST_F(GpuTest, EntropyRegularisationMatchesTheCpuReference) {
   struct Case { int64_t B, T, groups, E, R; double coef; };
-  for (const Case& c : {Case{3, 50, 1, 565, 4, 0.01}, Case{2, 100, 6, 12, 9, 0.001}}) {
+  for (const Case& c : {Case{3, 50, 1, 565, 4, 0.01}, Case{2, 100, 6, 12, 9, 0.001},
+                        Case{2, 37, 3, 8, 2, 0.001}, Case{1, 21, 4, 4, 3, 0.001}}) {
     SCOPED_TRACE("groups " + std::to_string(c.groups) + " E " + std::to_string(c.E));
     Rng rng{uint64_t(c.E)};
     const int64_t per_use = c.B * c.T * c.groups * c.E;
