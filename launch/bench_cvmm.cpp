@@ -1,6 +1,7 @@
-// moeut-bench-cvmm: TFLOP/s of the CUDA expert kernels at a profile's shapes (default: the 1B
-// profile, 565 experts, top-24, d 1536, expert size 128) beside the bf16 matrix-product peak
-// measured by cuBLAS in the same run. Usage: moeut-bench-cvmm [TOKENS [REPS]]; REPS 1 runs each
+// moeut-bench-cvmm: TFLOP/s of the CUDA expert kernels at the 1B profile's shapes (the FFN experts:
+// 565 experts, top-24, d 1536, expert size 128; the attention value and output experts: 6 heads x
+// 12 experts, top-2 per head) beside the bf16 matrix-product peak measured by cuBLAS in the same
+// run. Usage: moeut-bench-cvmm [TOKENS [REPS]]; REPS 1 runs each
 // product once with no warm-up (for a profiler).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -22,56 +23,107 @@ using bench::median_ms;
 using bench::random_device;
 using bf16 = __nv_bfloat16;
 
+struct Product {
+  const char* name;
+  std::function<void()> run;
+};
+
+// Times each product (median of reps after warm-up) and prints its TFLOP/s; flop: per product.
+void report(const std::vector<Product>& products, double flop, double peak, int reps) {
+  double total_ms = 0;
+  for (const Product& p : products) {
+    const double ms = median_ms(p.run, reps, reps > 1 ? 3 : 0);
+    total_ms += ms;
+    std::printf("  %-40s %8.3f ms  %6.1f TFLOP/s  (%.1f%% of peak)\n", p.name, ms, flop / (ms * 1e-3) / 1e12,
+                100.0 * flop / (ms * 1e-3) / 1e12 / peak);
+  }
+  std::printf("  all %zu: %.3f ms, %.1f TFLOP/s\n", products.size(), total_ms,
+              double(products.size()) * flop / (total_ms * 1e-3) / 1e12);
+}
+
+// The FFN experts: 565 experts, top-24, d 1536, expert size 128, uniform routing.
+void ffn_products(int64_t tokens, double peak, int reps, Rng& rng) {
+  const int64_t E = 565, k = 24, d = 1536, es = 128, sels = tokens * k;
+  CvmmSelection up;
+  up.resize(sels);
+  std::vector<float> w(static_cast<size_t>(sels));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < k; ++j) {  // uniform routing: k distinct experts per token
+      const int64_t i = t * k + j;
+      up.expert[i] = int32_t((t * 7919 + j * 23) % E);
+      up.in_row[i] = int32_t(t);
+      up.out_row[i] = int32_t(i);
+      w[i] = float(rng.uniform());
+    }
+  up.group(E);
+  CvmmSelection down = up;
+  std::swap(down.in_row, down.out_row);
+  const cuda::DeviceCvmmPlan pu(up), pd(down);
+  auto X = random_device<bf16>(size_t(tokens * d), rng, 1.f), dY = random_device<bf16>(size_t(tokens * d), rng, 1.f);
+  auto Wk = random_device<bf16>(size_t(E * d * es), rng, 0.05f), Wv = random_device<bf16>(size_t(E * es * d), rng, 0.05f);
+  auto H = random_device<bf16>(size_t(sels * es), rng, 1.f), dH = random_device<bf16>(size_t(sels * es), rng, 1.f);
+  cuda::DeviceBuffer<float> gw(w), Yf{size_t(tokens * d)}, dwf{size_t(sels)}, dWk{size_t(E * d * es)}, dWv{size_t(E * es * d)};
+  cuda::DeviceBuffer<bf16> Hout{size_t(sels * es)};
+  std::printf("FFN experts: %lld tokens, %lld experts, top-%lld (%.0f rows per expert)\n", (long long)tokens,
+              (long long)E, (long long)k, double(sels) / double(E));
+  report({
+      {"up      [m,1536]x[1536,128]  gather", [&] { cuda::cvmm_rows(pu.view(), {X.get(), Wk.get(), nullptr, Hout.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0); }},
+      {"down    [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(pd.view(), {H.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, es, d, false, true}, 0); }},
+      {"down dX [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(pd.view(true), {dY.get(), Wv.get(), gw.get(), Hout.get(), nullptr, dwf.get(), H.get(), d, es, true, false}, 0); }},
+      {"down dW [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, 0); }},
+      {"up dX   [m,128]x[128,1536]   scatter", [&] { cuda::cvmm_rows(pu.view(true), {dH.get(), Wk.get(), nullptr, nullptr, Yf.get(), nullptr, nullptr, es, d, true, true}, 0); }},
+      {"up dW   [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, 0); }},
+  }, 2.0 * double(sels) * double(d) * double(es), peak, reps);
+}
+
+// The attention value and output experts: 6 heads with 12 experts each, top-2 per head, d 1536,
+// head size 128, uniform routing; the calls of GpuModel (core/gpu_model.cu).
+void attention_products(int64_t tokens, double peak, int reps, Rng& rng) {
+  const int64_t H = 6, Ea = 12, ka = 2, d = 1536, dh = 128, sels = tokens * H * ka, E = H * Ea;
+  CvmmSelection v;  // in: token row; out: (token, head) row
+  v.resize(sels);
+  std::vector<float> w(static_cast<size_t>(sels));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < ka; ++j) {  // two distinct experts of the head's twelve
+        const int64_t i = (t * H + h) * ka + j;
+        v.expert[i] = int32_t(h * Ea + (t * 5 + h * 7 + j * 5) % Ea);
+        v.in_row[i] = int32_t(t);
+        v.out_row[i] = int32_t(t * H + h);
+        w[i] = float(rng.uniform());
+      }
+  v.group(E);
+  CvmmSelection o = v;  // in: (token, head) row; out: token row
+  for (int64_t i = 0; i < sels; ++i) o.in_row[i] = v.out_row[i], o.out_row[i] = v.in_row[i];
+  const cuda::DeviceCvmmPlan pv(v), po(o);
+  auto X = random_device<bf16>(size_t(tokens * d), rng, 1.f), dY = random_device<bf16>(size_t(tokens * d), rng, 1.f);
+  auto heads = random_device<bf16>(size_t(tokens * H * dh), rng, 1.f), dv = random_device<bf16>(size_t(tokens * H * dh), rng, 1.f);
+  auto Wv = random_device<bf16>(size_t(E * d * dh), rng, 0.05f), Wo = random_device<bf16>(size_t(E * dh * d), rng, 0.05f);
+  cuda::DeviceBuffer<float> gw(w), Yf{size_t(tokens * d)}, heads_f{size_t(tokens * H * dh)}, dwf{size_t(sels)},
+      dWv{size_t(E * d * dh)}, dWo{size_t(E * dh * d)};
+  std::printf("attention experts: %lld tokens, %lld heads x %lld experts, top-%lld per head (%.0f rows per expert)\n",
+              (long long)tokens, (long long)H, (long long)Ea, (long long)ka, double(sels) / double(E));
+  report({
+      {"v       [m,1536]x[1536,128]  gather+w", [&] { cuda::cvmm_rows(pv.view(), {X.get(), Wv.get(), gw.get(), nullptr, heads_f.get(), nullptr, nullptr, d, dh, false, true}, 0); }},
+      {"o       [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(po.view(), {heads.get(), Wo.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, dh, d, false, true}, 0); }},
+      {"o dW    [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(po.view(), {heads.get(), dY.get(), gw.get(), true, dWo.get(), dh, d, E}, 0); }},
+      {"o dX    [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(po.view(true), {dY.get(), Wo.get(), gw.get(), nullptr, heads_f.get(), dwf.get(), heads.get(), d, dh, true, true}, 0); }},
+      {"v dW    [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pv.view(), {X.get(), dv.get(), gw.get(), true, dWv.get(), d, dh, E}, 0); }},
+      {"v dX    [m,128]x[128,1536]   +dw scatter", [&] { cuda::cvmm_rows(pv.view(true), {dv.get(), Wv.get(), gw.get(), nullptr, Yf.get(), dwf.get(), X.get(), dh, d, true, true}, 0); }},
+  }, 2.0 * double(sels) * double(d) * double(dh), peak, reps);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? std::stoll(argv[1]) : 16384;
   const int reps = argc > 2 ? std::stoi(argv[2]) : 20;
-  const int64_t E = 565, k = 24, d = 1536, es = 128, sels = tokens * k;
   try {
     const double peak = bench::cublas_peak_tflops();
     std::printf("bf16 peak (cuBLAS 8192^3): %.1f TFLOP/s\n", peak);
     Rng rng(1);
-    CvmmSelection up;
-    up.resize(sels);
-    std::vector<float> w(static_cast<size_t>(sels));
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t j = 0; j < k; ++j) {  // uniform routing: k distinct experts per token
-        const int64_t i = t * k + j;
-        up.expert[i] = int32_t((t * 7919 + j * 23) % E);
-        up.in_row[i] = int32_t(t);
-        up.out_row[i] = int32_t(i);
-        w[i] = float(rng.uniform());
-      }
-    up.group(E);
-    CvmmSelection down = up;
-    std::swap(down.in_row, down.out_row);
-    const cuda::DeviceCvmmPlan pu(up), pd(down);
-    auto X = random_device<bf16>(size_t(tokens * d), rng, 1.f), dY = random_device<bf16>(size_t(tokens * d), rng, 1.f);
-    auto Wk = random_device<bf16>(size_t(E * d * es), rng, 0.05f), Wv = random_device<bf16>(size_t(E * es * d), rng, 0.05f);
-    auto H = random_device<bf16>(size_t(sels * es), rng, 1.f), dH = random_device<bf16>(size_t(sels * es), rng, 1.f);
-    cuda::DeviceBuffer<float> gw(w), Yf{size_t(tokens * d)}, dwf{size_t(sels)}, dWk{size_t(E * d * es)}, dWv{size_t(E * es * d)};
-    cuda::DeviceBuffer<bf16> Hout{size_t(sels * es)};
-    const double flop = 2.0 * double(sels) * double(d) * double(es);
-    struct Row { const char* name; std::function<void()> fn; };
-    const std::vector<Row> rows = {
-        {"up      [m,1536]x[1536,128]  gather", [&] { cuda::cvmm_rows(pu.view(), {X.get(), Wk.get(), nullptr, Hout.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0); }},
-        {"down    [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(pd.view(), {H.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, es, d, false, true}, 0); }},
-        {"down dX [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(pd.view(true), {dY.get(), Wv.get(), gw.get(), Hout.get(), nullptr, dwf.get(), H.get(), d, es, true, false}, 0); }},
-        {"down dW [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, 0); }},
-        {"up dX   [m,128]x[128,1536]   scatter", [&] { cuda::cvmm_rows(pu.view(true), {dH.get(), Wk.get(), nullptr, nullptr, Yf.get(), nullptr, nullptr, es, d, true, true}, 0); }},
-        {"up dW   [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, 0); }},
-    };
-    std::printf("%lld tokens, %lld experts, top-%lld (%.0f rows per expert)\n", (long long)tokens, (long long)E,
-                (long long)k, double(sels) / double(E));
-    double total_ms = 0;
-    for (const Row& r : rows) {
-      const double ms = median_ms(r.fn, reps, reps > 1 ? 3 : 0);
-      total_ms += ms;
-      std::printf("  %-40s %8.3f ms  %6.1f TFLOP/s  (%.1f%% of peak)\n", r.name, ms, flop / (ms * 1e-3) / 1e12,
-                  100.0 * flop / (ms * 1e-3) / 1e12 / peak);
-    }
-    std::printf("  all six: %.3f ms, %.1f TFLOP/s\n", total_ms, 6 * flop / (total_ms * 1e-3) / 1e12);
+    ffn_products(tokens, peak, reps, rng);
+    attention_products(tokens, peak, reps, rng);
     MOEUT_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moeut-bench-cvmm: error: %s\n", e.what());
