@@ -227,23 +227,38 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
   const int n_valid = int(min64(BN, N - n0));
   if (a.dweight) {
     // 16 threads per row, 8 columns each (one 16-byte load of dot_rows), summed by shuffles within
-    // the 16; every lane runs every round, so the shuffles see whole warps.
+    // the 16; every lane runs every round, so the shuffles see whole warps. A thread's rows are
+    // loaded first, all at once: one row at a time, each load waited behind the previous row's
+    // atomic, in an L2 the scatter keeps busy (0.30 ms of the value experts' 1.0 ms input
+    // gradient at 1B, docs/PERFORMANCE.md v12).
+    constexpr int kRowsPerThread = BM / (kRowsThreads / 16);
     const int n = (threadIdx.x % 16) * 8;
     const bool whole = n_valid == BN && vectorizable(a.dot_rows, N);
-    for (int r = threadIdx.x / 16; r < BM; r += kRowsThreads / 16) {
-      float sum = 0.f;
-      if (r < rows) {
-        const bf16* dot = a.dot_rows + int64_t(tr.out[r]) * N + n0 + n;
-        alignas(16) bf16 v[8];
-        if (whole) *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(dot);
-        else
-          for (int j = 0; j < 8; ++j) v[j] = n + j < n_valid ? dot[j] : __float2bfloat16(0.f);
-        const float4* c = reinterpret_cast<const float4*>(Cs + r * kCStride + n);  // rows 528 bytes apart
-        const float4 c0 = c[0], c1 = c[1];
-        const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+    uint4 dots[kRowsPerThread];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) sum += cv[j] * __bfloat162float(v[j]);
+    for (int p = 0; p < kRowsPerThread; ++p) {
+      const int r = threadIdx.x / 16 + p * (kRowsThreads / 16);
+      const bf16* dot = a.dot_rows + int64_t(max(tr.out[r], 0)) * N + n0 + n;
+      if (r >= rows) {
+        dots[p] = make_uint4(0, 0, 0, 0);
+      } else if (whole) {
+        dots[p] = *reinterpret_cast<const uint4*>(dot);
+      } else {
+        alignas(16) bf16 v[8];
+        for (int j = 0; j < 8; ++j) v[j] = n + j < n_valid ? dot[j] : __float2bfloat16(0.f);
+        dots[p] = *reinterpret_cast<const uint4*>(v);
       }
+    }
+#pragma unroll
+    for (int p = 0; p < kRowsPerThread; ++p) {
+      const int r = threadIdx.x / 16 + p * (kRowsThreads / 16);
+      const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&dots[p]);
+      const float4* c = reinterpret_cast<const float4*>(Cs + r * kCStride + n);  // rows 528 bytes apart
+      const float4 c0 = c[0], c1 = c[1];
+      const float2 v0 = __bfloat1622float2(v[0]), v1 = __bfloat1622float2(v[1]), v2 = __bfloat1622float2(v[2]),
+                   v3 = __bfloat1622float2(v[3]);
+      float sum = c0.x * v0.x + c0.y * v0.y + c0.z * v1.x + c0.w * v1.y + c1.x * v2.x + c1.y * v2.y + c1.z * v3.x +
+                  c1.w * v3.y;
 #pragma unroll
       for (int offset = 8; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
       if (threadIdx.x % 16 == 0 && r < rows) atomicAdd(a.dweight + tr.sel[r], sum);
