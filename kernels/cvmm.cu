@@ -227,10 +227,10 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
   const int n_valid = int(min64(BN, N - n0));
   if (a.dweight) {
     // 16 threads per row, 8 columns each (one 16-byte load of dot_rows), summed by shuffles within
-    // the 16; every lane runs every round, so the shuffles see whole warps. A thread's rows are
-    // loaded first, all at once: one row at a time, each load waited behind the previous row's
+    // the 16; every lane runs every round, so the shuffles see whole warps. A thread loads all
+    // its rows before summing any: with a load per round, each waited behind the previous round's
     // atomic, in an L2 the scatter keeps busy (0.30 ms of the value experts' 1.0 ms input
-    // gradient at 1B, docs/PERFORMANCE.md v12).
+    // gradient at 1B; docs/PERFORMANCE.md v12).
     constexpr int kRowsPerThread = BM / (kRowsThreads / 16);
     const int n = (threadIdx.x % 16) * 8;
     const bool whole = n_valid == BN && vectorizable(a.dot_rows, N);
