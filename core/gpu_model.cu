@@ -104,8 +104,6 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   dz_ = DeviceBuffer<float>(size_t(N * router_rows));
   dzb_ = DeviceBuffer<bf16>(size_t(N * router_rows));
   MOEUT_CUDA_CHECK(cudaMemset(dzb_.get(), 0, dzb_.size() * sizeof(bf16)));  // its padding stays zero
-  router_w_ = DeviceBuffer<bf16>(size_t(router_rows * d));
-  MOEUT_CUDA_CHECK(cudaMemset(router_w_.get(), 0, router_w_.size() * sizeof(bf16)));
   dheads_f32_ = DeviceBuffer<float>(size_t(N * hd));
   dresb_ = DeviceBuffer<bf16>(size_t(N * d));
   dhidden_ = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
@@ -117,15 +115,22 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   for (auto* b : {&dheads_, &dv_}) *b = DeviceBuffer<bf16>(size_t(N * hd));
   attn_in_ld_ = (2 * hd + 2 * he + 7) / 8 * 8;  // rows 16-byte multiples, for cuBLAS's aligned kernels
   attn_in_grad_ = DeviceBuffer<bf16>(size_t(N * attn_in_ld_));
-  attn_in_weights_ = DeviceBuffer<bf16>(size_t(attn_in_ld_ * d));
+  attn_in_weights_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * attn_in_ld_ * d));
   MOEUT_CUDA_CHECK(cudaMemset(attn_in_grad_.get(), 0, attn_in_grad_.size() * sizeof(bf16)));
   MOEUT_CUDA_CHECK(cudaMemset(attn_in_weights_.get(), 0, attn_in_weights_.size() * sizeof(bf16)));
-  for (int64_t g = 0; g < cfg_.group_size; ++g) {  // stacked by one copy each (see attention_backward)
+  std::vector<std::string> padded;  // routers needing a padded copy
+  for (int64_t g = 0; g < cfg_.group_size; ++g) {
     const std::string p = layer_prefix(g);
+    for (const auto& [name, out] : {std::pair{p + "ffn.expert_sel", cfg_.ff_n_experts}, {p + "attention.sel_v", he}, {p + "attention.sel_o", he}})
+      if (router_ld(out) != out) padded.push_back(name);
+    // q/k and the two routers are stacked by one copy each (see copy_weights)
     if (layout_.at(p + "attention.k.weight").offset != layout_.at(p + "attention.q.weight").offset + hd * d ||
         layout_.at(p + "attention.sel_o").offset != layout_.at(p + "attention.sel_v").offset + he * d)
       throw std::logic_error("GpuModel: attention q/k and router weights are expected adjacent in the layout");
   }
+  padded_routers_ = DeviceBuffer<bf16>(size_t(padded.size() * router_rows * d));
+  MOEUT_CUDA_CHECK(cudaMemset(padded_routers_.get(), 0, padded_routers_.size() * sizeof(bf16)));
+  for (size_t i = 0; i < padded.size(); ++i) padded_router_at_[padded[i]] = padded_routers_.get() + i * router_rows * d;
   attention_ = std::make_unique<cuda::CausalAttention>(cublas_, batch, T, H, cfg_.d_head);
   reg_ffn_ = std::make_unique<cuda::EntropyReg>(batch, 1, cfg_.ff_n_experts);
   reg_att_ = std::make_unique<cuda::EntropyReg>(batch, H, cfg_.att_n_experts);
@@ -204,19 +209,35 @@ void GpuModel::dense(const bf16* x, const std::string& weight, int64_t rows, int
                weight.c_str());
 }
 
-const bf16* GpuModel::padded_router_weight(const std::string& weight, int64_t out) {
-  // Rows past `out` hold zeros or rows of another router: finite either way, which is all the
-  // products need (the forward drops their outputs; in the backward dy's pad columns are zero).
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(router_w_.get(), wparam(weight), size_t(out * cfg_.d_model) * sizeof(bf16),
-                                   cudaMemcpyDeviceToDevice, stream_));
-  return router_w_.get();
+void GpuModel::copy_weights(bool training) {
+  const int64_t d = cfg_.d_model;
+  for (const auto& [name, copy] : padded_router_at_) {
+    const TensorSpec& t = layout_.at(name);
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(copy, working_.get() + t.offset, size_t(t.numel) * sizeof(bf16),
+                                     cudaMemcpyDeviceToDevice, stream_));
+  }
+  if (!training) return;
+  const int64_t hd = cfg_.n_heads * cfg_.d_head, he = cfg_.n_heads * cfg_.att_n_experts;
+  for (int64_t g = 0; g < cfg_.group_size; ++g) {
+    const std::string p = layer_prefix(g);
+    bf16* const stacked = attn_in_weights_.get() + g * attn_in_ld_ * d;
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(stacked, wparam(p + "attention.q.weight"), size_t(2 * hd * d) * sizeof(bf16),
+                                     cudaMemcpyDeviceToDevice, stream_));
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(stacked + 2 * hd * d, wparam(p + "attention.sel_v"), size_t(2 * he * d) * sizeof(bf16),
+                                     cudaMemcpyDeviceToDevice, stream_));
+  }
+}
+
+const bf16* GpuModel::router_weight(const std::string& weight) const {
+  const auto copy = padded_router_at_.find(weight);
+  return copy != padded_router_at_.end() ? copy->second : wparam(weight);
 }
 
 void GpuModel::router_logits(const bf16* x, const std::string& weight, int64_t out, float* z) {
   const int64_t N = B_ * cfg_.context, ld = router_ld(out);
   if (ld == out) return dense(x, weight, N, out, 1.f, z, CUDA_R_32F);
   // dz_ is free in the forward pass.
-  dense(x, weight, N, ld, 1.f, dz_.get(), CUDA_R_32F, ld, padded_router_weight(weight, out));
+  dense(x, weight, N, ld, 1.f, dz_.get(), CUDA_R_32F, ld, router_weight(weight));
   MOEUT_CUDA_CHECK(cudaMemcpy2DAsync(z, size_t(out) * sizeof(float), dz_.get(), size_t(ld) * sizeof(float),
                                      size_t(out) * sizeof(float), size_t(N), cudaMemcpyDeviceToDevice, stream_));
 }
@@ -320,6 +341,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
   mark(Part::kOther);
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(inputs_.get(), in.data(), size_t(N) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(targets_.get(), tg.data(), size_t(N) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  copy_weights(backward);
   cuda::embedding_forward(xs_[0].get(), inputs_.get(), wparam("embedding.weight"), N, d, stream_);
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     attention_forward(l);
@@ -437,8 +459,7 @@ void GpuModel::ffn_backward(int64_t l) {
   routing_grad(L.z.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, dzb_.get(), ld);
   mark(Part::kDense);
   dense_weight_grad(dzb_.get(), ld, xn_.get(), gparam(p + "ffn.expert_sel"), N, Ef);
-  dense_input_grad(dzb_.get(), ld, ld == Ef ? wparam(p + "ffn.expert_sel") : padded_router_weight(p + "ffn.expert_sel", Ef),
-                   ld, N, dxn_.get());
+  dense_input_grad(dzb_.get(), ld, router_weight(p + "ffn.expert_sel"), ld, N, dxn_.get());
   mark(Part::kOther);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
                            wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_, dresb_.get());
@@ -519,11 +540,8 @@ void GpuModel::attention_backward(int64_t l) {
   // construction), so each pair is one product. The input gradient is one product over all four.
   dense_weight_grad(dq, attn_in_ld_, xn_.get(), gparam(p + "attention.q.weight"), N, 2 * hd);
   dense_weight_grad(dz_v, attn_in_ld_, xn_.get(), gparam(p + "attention.sel_v"), N, 2 * H * Ea);
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(attn_in_weights_.get(), wparam(p + "attention.q.weight"),
-                                   size_t(2 * hd * d) * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(attn_in_weights_.get() + 2 * hd * d, wparam(p + "attention.sel_v"),
-                                   size_t(2 * H * Ea * d) * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
-  dense_input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get(), attn_in_ld_, N, dxn_.get());
+  dense_input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get() + (l % cfg_.group_size) * attn_in_ld_ * d,
+                   attn_in_ld_, N, dxn_.get());
   weight_grads_->join();
   mark(Part::kOther);
   // dresb for the layer below (none below the first: the embedding's gradient reads dres).

@@ -7,6 +7,8 @@
 
 #include <array>
 #include <memory>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "core/config.h"
@@ -92,9 +94,13 @@ class GpuModel {
   // parameter itself (a padded copy).
   void dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out_features, float alpha, void* y,
              cudaDataType y_type, int64_t y_ld = 0, const bf16* w = nullptr);
-  // The router weight [out, d] copied into router_w_ (router_ld(out) rows, finite past `out`), so
-  // that its products run on aligned shapes.
-  const bf16* padded_router_weight(const std::string& weight, int64_t out);
+  // Copies of working weights in the shapes their products want, one per physical layer, made at
+  // the start of each pass (the weights change only between passes): routers whose row count is
+  // not a multiple of 8, padded to router_ld rows (see router_ld); and, when training, the four
+  // products that read LN1's output, stacked as attn_in_weights_.
+  void copy_weights(bool training);
+  // A router's weight: its padded copy when it has one, else the parameter.
+  const bf16* router_weight(const std::string& weight) const;
   // Routing logits z [N, out] = x·Wᵀ in fp32 (see router_ld).
   void router_logits(const bf16* x, const std::string& weight, int64_t out, float* z);
   void mark(Part p);  // the work queued from here on belongs to p (kCount: none)
@@ -119,10 +125,13 @@ class GpuModel {
   cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_, vsum_;
   // Backward scratch, shared by the layers.
   cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dz_, dheads_f32_;
-  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dv_, router_w_;
+  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dv_;
+  cuda::DeviceBuffer<bf16> padded_routers_;  // see copy_weights; zero past each router's rows
+  std::unordered_map<std::string, bf16*> padded_router_at_;
   // The gradients of the four products that read LN1's output, side by side in one matrix
   // [N, attn_in_ld_] (dq, dk, the value router's, the output router's; zero past them), and those
-  // products' weights stacked to match [attn_in_ld_, d]: their input gradient is one product.
+  // products' weights stacked to match [attn_in_ld_, d] per physical layer: their input gradient
+  // is one product.
   cuda::DeviceBuffer<bf16> attn_in_grad_, attn_in_weights_;
   int64_t attn_in_ld_ = 0;
   // Expert parallelism: rows received from the group (scratch; the forward's are per layer).

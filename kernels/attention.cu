@@ -1,10 +1,10 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #include "kernels/attention_cuda.h"
 #include "kernels/cuda_check.h"
+#include "kernels/with_ceiling.h"
 
 namespace moeut::cuda {
 namespace {
@@ -257,10 +257,25 @@ __global__ void flash_row_dots(float* D, const bf16* dout, const bf16* out, int6
   if (threadIdx.x % 32 == 0) D[r] = sum;
 }
 
-// dq (bf16, rows grad_ld apart, times scale) from its fp32 accumulator [tokens, hd].
-__global__ void flash_dq_to_bf16(bf16* dq, const float* acc, int64_t n, int64_t hd, int64_t grad_ld, float scale) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    dq[i / hd * grad_ld + i % hd] = __float2bfloat16(scale * acc[i]);
+// dq (bf16, rows grad_ld apart, times scale) from its fp32 accumulator [rows, hd]: blocks over
+// the rows, threads over a row's columns, four at a time when `quads` (hd and grad_ld multiples of
+// 4, dq 8-byte aligned).
+__global__ void flash_dq_to_bf16(bf16* dq, const float* acc, int64_t rows, int hd, int64_t grad_ld, float scale,
+                                 bool quads) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* a = acc + r * hd;
+    bf16* o = dq + r * grad_ld;
+    if (quads) {
+      for (int c = 4 * threadIdx.x; c < hd; c += 4 * blockDim.x) {
+        const float4 v = *reinterpret_cast<const float4*>(a + c);
+        __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(o + c);
+        out[0] = __floats2bfloat162_rn(scale * v.x, scale * v.y);
+        out[1] = __floats2bfloat162_rn(scale * v.z, scale * v.w);
+      }
+    } else {
+      for (int c = threadIdx.x; c < hd; c += blockDim.x) o[c] = __float2bfloat16(scale * a[c]);
+    }
+  }
 }
 
 // One block: 64 keys of one (sequence, head), 4 warps of 16 keys, dK and dV accumulated in
@@ -446,15 +461,6 @@ void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, 
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-// Calls f with the padded head size (32, 64, 96 or 128) as a compile-time constant.
-template <class F>
-void with_padded_head(int64_t dh, F f) {
-  if (dh <= 32) f(std::integral_constant<int, 32>{});
-  else if (dh <= 64) f(std::integral_constant<int, 64>{});
-  else if (dh <= 96) f(std::integral_constant<int, 96>{});
-  else f(std::integral_constant<int, 128>{});
-}
-
 }  // namespace
 
 CausalAttention::CausalAttention(cublasHandle_t cublas, int64_t B, int64_t T, int64_t H, int64_t dh)
@@ -491,7 +497,7 @@ void CausalAttention::scores_and_probs(const bf16* q, const bf16* k, cudaStream_
 void CausalAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream) {
   if (B_ == 0) return;
   if (flash()) {
-    with_padded_head(dh_, [&](auto kD) { launch_flash_forward<kD>(out, lse, q, k, v, B_, T_, H_, dh_, stream); });
+    with_ceiling<32, 64, 96, 128>(dh_, [&](auto kD) { launch_flash_forward<kD>(out, lse, q, k, v, B_, T_, H_, dh_, stream); });
     return;
   }
   scores_and_probs(q, k, stream);
@@ -513,12 +519,14 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, c
                                                                  int(dh_));
     MOEUT_CUDA_CHECK(cudaGetLastError());
     MOEUT_CUDA_CHECK(cudaMemsetAsync(dq_acc_.get(), 0, size_t(n) * sizeof(float), stream));
-    with_padded_head(dh_, [&](auto kD) {
+    with_ceiling<32, 64, 96, 128>(dh_, [&](auto kD) {
       launch_flash_backward<kD>(dk, dv, dq_acc_.get(), dout, lse, row_dots_.get(), q, k, v, B_, T_, H_, dh_, grad_ld,
                                 grad_scale, stream);
     });
-    flash_dq_to_bf16<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(dq, dq_acc_.get(), n,
-                                                                                             H_ * dh_, grad_ld, grad_scale);
+    const int64_t tokens = B_ * T_, hd = H_ * dh_;
+    const bool quads = hd % 4 == 0 && grad_ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq) % 8 == 0;
+    flash_dq_to_bf16<<<unsigned(std::min<int64_t>(tokens, 1 << 16)), 128, 0, stream>>>(dq, dq_acc_.get(), tokens, int(hd),
+                                                                                       grad_ld, grad_scale, quads);
     MOEUT_CUDA_CHECK(cudaGetLastError());
     return;
   }

@@ -1,8 +1,8 @@
 #include <cmath>
-#include <type_traits>
 
 #include "kernels/cuda_check.h"
 #include "kernels/entropy_reg_cuda.h"
+#include "kernels/with_ceiling.h"
 
 namespace moeut::cuda {
 namespace {
@@ -89,15 +89,6 @@ __global__ void entropy_grad(float* dz, const float* z, const float* c, int64_t 
     for (int e = lane; e < E; e += L) dz[pos * E + e] = scale * __expf(zp[e] - lse) * (cp[e] - dot);
 }
 
-// Calls f with L (see above) for E as a compile-time constant.
-template <class F>
-void with_lanes(int64_t E, F f) {
-  if (E <= 4) f(std::integral_constant<int, 4>{});
-  else if (E <= 8) f(std::integral_constant<int, 8>{});
-  else if (E <= 16) f(std::integral_constant<int, 16>{});
-  else f(std::integral_constant<int, 32>{});
-}
-
 }  // namespace
 
 EntropyReg::EntropyReg(int64_t B, int64_t groups, int64_t E)
@@ -109,7 +100,7 @@ void EntropyReg::forward_backward(const std::vector<float*>& duses, const std::v
   if (rows == 0) return;
   MOEUT_CUDA_CHECK(cudaMemsetAsync(mean_.get(), 0, mean_.size() * sizeof(float), stream));
   const dim3 grid(unsigned((T + kPositionsPerBlock - 1) / kPositionsPerBlock), unsigned(groups_), unsigned(B_));
-  with_lanes(E_, [&](auto L) {
+  with_ceiling<4, 8, 16, 32>(E_, [&](auto L) {
     for (const float* z : uses)
       accumulate_mean<L><<<grid, kThreads, E_ * sizeof(float), stream>>>(mean_.get(), z, int(T), int(groups_), int(E_),
                                                                           float(1.0 / double(S)));
@@ -118,7 +109,7 @@ void EntropyReg::forward_backward(const std::vector<float*>& duses, const std::v
   entropy_terms<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(mean_.get(), loss, int(rows), int(E_), coef / double(rows));
   MOEUT_CUDA_CHECK(cudaGetLastError());
   const int64_t positions = B_ * T * groups_;
-  with_lanes(E_, [&](auto L) {
+  with_ceiling<4, 8, 16, 32>(E_, [&](auto L) {
     const int64_t per_block = 256 / L;
     for (int64_t r = 0; r < R; ++r)
       entropy_grad<L><<<unsigned((positions + per_block - 1) / per_block), 256, 0, stream>>>(

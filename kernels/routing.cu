@@ -2,6 +2,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/routing_cuda.h"
+#include "kernels/with_ceiling.h"
 
 namespace moeut::cuda {
 namespace {
@@ -58,14 +59,6 @@ __global__ void __launch_bounds__(kWarps * 32) topk_kernel(int32_t* index, float
   }
 }
 
-template <int P>
-void launch_topk(int32_t* index, float* weight, const float* logits, int64_t rows, int E, int k, cudaStream_t stream) {
-  if constexpr (P < kMaxPerLane) {
-    if ((E + 31) / 32 > P) return launch_topk<(P < 4 ? 2 * P : P + 4)>(index, weight, logits, rows, E, k, stream);
-  }
-  topk_kernel<P><<<unsigned((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(index, weight, logits, rows, E, k);
-}
-
 __global__ void topk_backward_kernel(float* dlogits, const float* dweight, const int32_t* index, const float* weight,
                                      int64_t rows, int E, int k) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -81,7 +74,11 @@ void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, in
   if (E > 32 * kMaxPerLane || k > 32 || k > E) throw std::invalid_argument("topk_sigmoid_forward: needs k <= E <= 1024, k <= 32");
   const int64_t rows = n * groups;
   if (rows == 0) return;
-  launch_topk<1>(index, weight, logits, rows, int(E), int(k), stream);
+  // P: the logits a lane holds, at or above E / 32.
+  with_ceiling<1, 2, 4, 8, 12, 16, 20, 24, 28, kMaxPerLane>((E + 31) / 32, [&](auto P) {
+    topk_kernel<P><<<unsigned((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(index, weight, logits, rows,
+                                                                                       int(E), int(k));
+  });
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
