@@ -184,6 +184,49 @@ __host__ __device__ inline bool rows_addable(const float* base, int64_t width, i
   return width % 4 == 0 && n % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
 }
 
+// dweight[sel(r)] += Σ_n Cs[r][n] · dot_rows[out(r)][n0 + n] for the tile's live rows: the
+// routing-weight gradient (see CvmmRowsArgs), from the unweighted fp32 tile.
+__device__ __forceinline__ void routing_weight_grad(const CvmmRowsArgs& a, const float* Cs, const TileRows& tr, int rows,
+                                                    int64_t N, int n0, int n_valid) {
+  // 16 threads per row, 8 columns each (one 16-byte load of dot_rows), summed by shuffles within
+  // the 16; every lane runs every round, so the shuffles see whole warps. A thread loads all
+  // its rows before summing any: with a load per round, each waited behind the previous round's
+  // atomic, in an L2 the scatter keeps busy (0.30 ms of the value experts' 1.0 ms input
+  // gradient at 1B; docs/PERFORMANCE.md v12).
+  constexpr int kRowsPerThread = BM / (kRowsThreads / 16);
+  const int n = (threadIdx.x % 16) * 8;
+  const bool whole = n_valid == BN && vectorizable(a.dot_rows, N);
+  uint4 dots[kRowsPerThread];
+#pragma unroll
+  for (int p = 0; p < kRowsPerThread; ++p) {
+    const int r = threadIdx.x / 16 + p * (kRowsThreads / 16);
+    const bf16* dot = a.dot_rows + int64_t(max(tr.out[r], 0)) * N + n0 + n;
+    if (r >= rows) {
+      dots[p] = make_uint4(0, 0, 0, 0);
+    } else if (whole) {
+      dots[p] = *reinterpret_cast<const uint4*>(dot);
+    } else {
+      alignas(16) bf16 v[8];
+      for (int j = 0; j < 8; ++j) v[j] = n + j < n_valid ? dot[j] : __float2bfloat16(0.f);
+      dots[p] = *reinterpret_cast<const uint4*>(v);
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < kRowsPerThread; ++p) {
+    const int r = threadIdx.x / 16 + p * (kRowsThreads / 16);
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&dots[p]);
+    const float4* c = reinterpret_cast<const float4*>(Cs + r * kCStride + n);  // rows 528 bytes apart
+    const float4 c0 = c[0], c1 = c[1];
+    const float2 v0 = __bfloat1622float2(v[0]), v1 = __bfloat1622float2(v[1]), v2 = __bfloat1622float2(v[2]),
+                 v3 = __bfloat1622float2(v[3]);
+    float sum = c0.x * v0.x + c0.y * v0.y + c0.z * v1.x + c0.w * v1.y + c1.x * v2.x + c1.y * v2.y + c1.z * v3.x +
+                c1.w * v3.y;
+#pragma unroll
+    for (int offset = 8; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (threadIdx.x % 16 == 0 && r < rows) atomicAdd(a.dweight + tr.sel[r], sum);
+  }
+}
+
 // cvmm_rows: one block per (row tile, 128 output columns), K through the cp.async pipeline. The
 // epilogue weights the tile's rows, then stores them in bf16 or adds them into fp32 rows.
 template <bool kTransW>
@@ -225,45 +268,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
   __syncthreads();
 
   const int n_valid = int(min64(BN, N - n0));
-  if (a.dweight) {
-    // 16 threads per row, 8 columns each (one 16-byte load of dot_rows), summed by shuffles within
-    // the 16; every lane runs every round, so the shuffles see whole warps. A thread loads all
-    // its rows before summing any: with a load per round, each waited behind the previous round's
-    // atomic, in an L2 the scatter keeps busy (0.30 ms of the value experts' 1.0 ms input
-    // gradient at 1B; docs/PERFORMANCE.md v12).
-    constexpr int kRowsPerThread = BM / (kRowsThreads / 16);
-    const int n = (threadIdx.x % 16) * 8;
-    const bool whole = n_valid == BN && vectorizable(a.dot_rows, N);
-    uint4 dots[kRowsPerThread];
-#pragma unroll
-    for (int p = 0; p < kRowsPerThread; ++p) {
-      const int r = threadIdx.x / 16 + p * (kRowsThreads / 16);
-      const bf16* dot = a.dot_rows + int64_t(max(tr.out[r], 0)) * N + n0 + n;
-      if (r >= rows) {
-        dots[p] = make_uint4(0, 0, 0, 0);
-      } else if (whole) {
-        dots[p] = *reinterpret_cast<const uint4*>(dot);
-      } else {
-        alignas(16) bf16 v[8];
-        for (int j = 0; j < 8; ++j) v[j] = n + j < n_valid ? dot[j] : __float2bfloat16(0.f);
-        dots[p] = *reinterpret_cast<const uint4*>(v);
-      }
-    }
-#pragma unroll
-    for (int p = 0; p < kRowsPerThread; ++p) {
-      const int r = threadIdx.x / 16 + p * (kRowsThreads / 16);
-      const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&dots[p]);
-      const float4* c = reinterpret_cast<const float4*>(Cs + r * kCStride + n);  // rows 528 bytes apart
-      const float4 c0 = c[0], c1 = c[1];
-      const float2 v0 = __bfloat1622float2(v[0]), v1 = __bfloat1622float2(v[1]), v2 = __bfloat1622float2(v[2]),
-                   v3 = __bfloat1622float2(v[3]);
-      float sum = c0.x * v0.x + c0.y * v0.y + c0.z * v1.x + c0.w * v1.y + c1.x * v2.x + c1.y * v2.y + c1.z * v3.x +
-                  c1.w * v3.y;
-#pragma unroll
-      for (int offset = 8; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      if (threadIdx.x % 16 == 0 && r < rows) atomicAdd(a.dweight + tr.sel[r], sum);
-    }
-  }
+  if (a.dweight) routing_weight_grad(a, Cs, tr, rows, N, n0, n_valid);
   if (a.accumulate && rows_addable(a.out_f32, N, n_valid)) {
     // Scatter: weight the rows in place (once the routing-weight gradient, if any, has read
     // them), then add each into its output row.
@@ -314,6 +319,181 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
       else a.out[base + n] = stored(v, masked ? a.dot_rows[base + n] : bf16{});
     }
   }
+}
+
+// cvmm_rows for the scatters with K <= 128 and no routing-weight gradient: the FFN's down product
+// and up input gradient, the attention's output product. An item is a row tile x 128 output
+// columns; with K <= 128 its product is two slabs, and its time goes to its loads and to the
+// additions into L2 (the additions alone take about 0.85 ms of the down product's 1.5 at 1B;
+// docs/PERFORMANCE.md v13), so the kernel runs them side by side. Persistent blocks, one per SM,
+// take items band by band (every row tile of output columns [n0, n0 + 128) before the next band,
+// so the band being added into stays in L2). Two warpgroups load and multiply (two item stages);
+// a third adds each finished tile into its rows with 16-byte vector atomics while the first two
+// go on with the next items. The tile passes between them through one fp32 buffer, its 16-byte
+// chunks swizzled by row, guarded by two named barriers (full, empty).
+//
+// The indices are looked up ahead, one level of indirection per item, so no load waits on another
+// within an iteration: item s + 5's tile (expert, first position), item s + 4's end, item s + 3's
+// rows, item s + 1's routing weights. A block's item s lives in slot s % kScatterSlots.
+constexpr int kScatterStages = 2, kScatterSlots = 4, kItemBytes = 2 * kStageBytes;
+constexpr int kScatterThreads = kRowsThreads + 128;  // + the adding warpgroup
+static_assert(kItemBytes == BM * BN * 4, "an item's fp32 tile is the size of its operands");
+constexpr size_t kScatterSmemBytes = kSmemAlign + size_t(kScatterStages + 1) * kItemBytes;
+enum ScatterBarrier { kProducts = 1, kTileFull, kTileEmpty };  // 0 is __syncthreads'
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+struct ScatterSlot {
+  TileRows rows;
+  int expert, live;  // live: rows of the tile (0: no item)
+};
+struct ScatterTile {  // in registers while looked up
+  int expert = 0, first = 0, live = 0;
+};
+
+template <bool kTransW>
+__global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPlan plan, CvmmRowsArgs a) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = aligned_smem(smem_raw);
+  float* Cs = reinterpret_cast<float*>(smem + kScatterStages * kItemBytes);  // [BM][BN], swizzled
+  __shared__ ScatterSlot slot[kScatterSlots];
+  const int64_t K = a.K, N = a.N;
+  const int tiles = *plan.live_tiles, bands = int((N + BN - 1) / BN);
+  const int64_t items = int64_t(tiles) * bands;
+  auto item_of = [&](int s) { return int64_t(blockIdx.x) + int64_t(s) * gridDim.x; };
+  auto band_start = [&](int s) { return int(item_of(s) / tiles) * BN; };
+  // Row rr's 16-byte chunk c of the tile buffer.
+  auto chunk_at = [&](int rr, int c) { return Cs + rr * BN + ((c ^ (rr % 8)) * 4); };
+
+  if (threadIdx.x >= kRowsThreads) {  // the adding warpgroup: warp w adds rows w, w + 4, ...
+    const int warp = (threadIdx.x - kRowsThreads) / 32, lane = threadIdx.x % 32;
+    constexpr int kWarps = (kScatterThreads - kRowsThreads) / 32;
+    if (item_of(0) < items) bar_arrive(kTileEmpty, kScatterThreads);  // the buffer starts empty
+    for (int s = 0; item_of(s) < items; ++s) {
+      bar_sync(kTileFull, kScatterThreads);
+      const ScatterSlot& sl = slot[s % kScatterSlots];
+      const int n0 = band_start(s);
+      if (4 * lane < int(min64(BN, N - n0))) {
+        for (int rr = warp; rr < sl.live; rr += kWarps) {
+          const float4 c = *reinterpret_cast<const float4*>(chunk_at(rr, lane));
+          const float w = sl.rows.weight[rr];
+          atomicAdd(reinterpret_cast<float4*>(a.out_f32 + int64_t(sl.rows.out[rr]) * N + n0 + 4 * lane),
+                    make_float4(w * c.x, w * c.y, w * c.z, w * c.w));
+        }
+      }
+      if (item_of(s + 1) < items) bar_arrive(kTileEmpty, kScatterThreads);
+    }
+    return;
+  }
+
+  // The loading and multiplying warpgroups.
+  const int r = threadIdx.x;  // threads below BM look up row r
+  const int wg = threadIdx.x / 128;
+  auto tile_of = [&](int s) {  // first level: the tile's expert and first position
+    ScatterTile t;
+    const int64_t i = item_of(s);
+    if (i < items) {
+      const int tile = int(i % tiles);
+      t.expert = plan.tile_expert[tile];
+      t.first = plan.tile_first[tile];
+      t.live = -1;  // known at the next level
+    }
+    return t;
+  };
+  auto tile_end = [&](ScatterTile& t) {  // second level: how many rows it has
+    if (t.live < 0) t.live = int(min64(BM, plan.expert_begin[t.expert + 1] - t.first));
+  };
+  struct RowLookup {
+    int32_t in = -1, out = -1, sel = -1;
+  };
+  auto rows_of = [&](const ScatterTile& t) {  // third level: row r's input, output and selection
+    RowLookup l;
+    if (r < BM && r < t.live) l = {plan.in_row[t.first + r], plan.out_row[t.first + r], plan.by_expert[t.first + r]};
+    return l;
+  };
+  auto put_rows = [&](int s, const ScatterTile& t, const RowLookup& l) {
+    ScatterSlot& sl = slot[s % kScatterSlots];
+    if (r < BM) sl.rows.in[r] = l.in, sl.rows.out[r] = l.out, sl.rows.sel[r] = l.sel;
+    if (r == 0) sl.expert = t.expert, sl.live = t.live;
+  };
+  auto weight_of = [&](int s) {  // fourth level: row r's routing weight
+    const int sel = r < BM ? slot[s % kScatterSlots].rows.sel[r] : -1;
+    return a.weight && sel >= 0 ? a.weight[sel] : 1.f;
+  };
+  auto put_weight = [&](int s, float w) {
+    if (r < BM) slot[s % kScatterSlots].rows.weight[r] = w;
+  };
+  auto stage_of = [&](int s) { return smem + (s % kScatterStages) * kItemBytes; };
+  auto load_item = [&](int s) {  // item s's two slabs of rows and weight, into its stage
+    const ScatterSlot& sl = slot[s % kScatterSlots];
+    if (sl.live > 0) {
+      const bf16* We = a.W + int64_t(sl.expert) * K * N;
+      const bool x_aligned = vectorizable(a.X, K), w_aligned = vectorizable(We, kTransW ? K : N);
+      for (int kt = 0; kt < 2; ++kt) {
+        unsigned char* slab = stage_of(s) + kt * kStageBytes;
+        load_rows_slab(slab, a.X, sl.rows.in, K, kt * BK, x_aligned);
+        load_weight_slab<kTransW>(slab + kSlabA, We, K, N, kt * BK, band_start(s), w_aligned);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // Prologue: items 0-2 looked up to their rows, item 0 to its weights, items 3 and 4 as far as
+  // the loop expects them; items 0 and 1 loading.
+  for (int s = 0; s < 3; ++s) {
+    ScatterTile t = tile_of(s);
+    tile_end(t);
+    put_rows(s, t, rows_of(t));
+  }
+  ScatterTile ahead3 = tile_of(3), ahead4 = tile_of(4);
+  tile_end(ahead3);
+  bar_sync(kProducts, kRowsThreads);
+  put_weight(0, weight_of(0));
+  load_item(0);
+  load_item(1);
+
+  for (int s = 0; item_of(s) < items; ++s) {
+    cp_async_wait<1>();  // item s has landed (this thread's copies)
+    wgmma::fence_shared_for_async();
+    bar_sync(kProducts, kRowsThreads);
+    // This iteration's lookups, each on what earlier iterations found.
+    const ScatterTile next5 = tile_of(s + 5);
+    tile_end(ahead4);
+    const RowLookup rows3 = rows_of(ahead3);
+    const float w1 = weight_of(s + 1);
+
+    float acc[64];
+#pragma unroll
+    for (auto& v : acc) v = 0.f;
+    if (wg * 64 < slot[s % kScatterSlots].live) {
+      wgmma::fence();
+      for (int kt = 0; kt < 2; ++kt) {
+        const unsigned char* slab = stage_of(s) + kt * kStageBytes;
+        mma_slab<kTransW>(acc, slab, slab + kSlabA, wg);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+    }
+    // Once the adding warpgroup is done with item s - 1 (and both products here with the stage):
+    // the tile to it, the lookups to their slots, item s + 2 into the stage.
+    bar_sync(kTileEmpty, kScatterThreads);
+#pragma unroll
+    for (int j = 0; j < 64; j += 2) {
+      const int rr = wg * 64 + wgmma::acc_row(j), c = wgmma::acc_col(j);
+      *reinterpret_cast<float2*>(chunk_at(rr, c / 4) + c % 4) = make_float2(acc[j], acc[j + 1]);
+    }
+    put_rows(s + 3, ahead3, rows3);
+    put_weight(s + 1, w1);
+    bar_arrive(kTileFull, kScatterThreads);
+    ahead3 = ahead4;
+    ahead4 = next5;
+    load_item(s + 2);
+  }
+  cp_async_wait<0>();
 }
 
 // dW_e[k0.., n0..] += Σ_s A[a_row(s)][k]·w_s·B[b_row(s)][n]: a 128 (K) x 128 (N) tile per block,
@@ -622,13 +802,36 @@ void launch_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t strea
   launch_with_smem(cvmm_rows_kernel<kTransW>, grid, stream, plan, a);
 }
 
+template <bool kTransW>
+void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  MOEUT_CUDA_CHECK(cudaGetDevice(&device));
+  MOEUT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t items = int64_t(plan.tiles) * ((a.N + BN - 1) / BN);  // an upper bound (see CvmmPlan)
+  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(cvmm_scatter_kernel<kTransW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(kScatterSmemBytes)));
+  cvmm_scatter_kernel<kTransW><<<unsigned(min64(sms, items)), kScatterThreads, kScatterSmemBytes, stream>>>(plan, a);
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   if (plan.tiles == 0) return;
   if (a.accumulate ? !a.out_f32 : !a.out) throw std::invalid_argument("cvmm_rows: output buffer missing");
-  if (a.transpose_w) launch_rows<true>(plan, a, stream);
-  else launch_rows<false>(plan, a, stream);
+  // Scatters whose product is at most two slabs deep, whose rows take 16-byte additions and that
+  // take no routing-weight gradient go to the persistent kernel; the rest to the per-tile one
+  // (the attention value experts' input gradient ran slower in the persistent kernel with the
+  // gradient in its adding warps: docs/PERFORMANCE.md v13).
+  const bool scatter = a.accumulate && !a.dweight && a.K <= 2 * BK && rows_addable(a.out_f32, a.N, a.N);
+  if (scatter) {
+    if (a.transpose_w) launch_scatter<true>(plan, a, stream);
+    else launch_scatter<false>(plan, a, stream);
+  } else if (a.transpose_w) {
+    launch_rows<true>(plan, a, stream);
+  } else {
+    launch_rows<false>(plan, a, stream);
+  }
 }
 
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {

@@ -131,7 +131,8 @@ TEST_F(GpuTest, CvmmMatchesTheCpuReference) {
                          Shape{200, 24, 2, 82, 96, false, false},                                              // 44M dh
                          Shape{333, 20, 4, 320, 64, false, false},  // three column tiles, the last partial
                          Shape{300, 12, 3, 64, 32, false, true}, Shape{2048, 565, 24, 1536, 128, false, false},
-                         Shape{1024, 565, 24, 1536, 128, true, false}})
+                         Shape{1024, 565, 24, 1536, 128, true, false},
+                         Shape{300, 16, 4, 256, 192, false, false}})  // scatters deeper than 128: the general kernel
     check(s);
 }
 
