@@ -324,21 +324,24 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 // cvmm_rows for the scatters with K <= 128 and no routing-weight gradient: the FFN's down product
 // and up input gradient, the attention's output product. An item is a row tile x 128 output
 // columns; with K <= 128 its product is two slabs, and its time goes to its loads and to the
-// additions into L2 (the additions alone take about 0.85 ms of the down product's 1.5 at 1B;
-// docs/PERFORMANCE.md v13), so the kernel runs them side by side. Persistent blocks, one per SM,
-// take items band by band (every row tile of output columns [n0, n0 + 128) before the next band,
-// so the band being added into stays in L2). Two warpgroups load and multiply (two item stages);
-// a third adds each finished tile into its rows with 16-byte vector atomics while the first two
-// go on with the next items. The tile passes between them through one fp32 buffer, its 16-byte
-// chunks swizzled by row, guarded by two named barriers (full, empty).
-//
-// The indices are looked up ahead, one level of indirection per item, so no load waits on another
-// within an iteration: item s + 5's tile (expert, first position), item s + 4's end, item s + 3's
-// rows, item s + 1's routing weights. A block's item s lives in slot s % kScatterSlots.
-constexpr int kScatterStages = 2, kScatterSlots = 4, kItemBytes = 2 * kStageBytes;
-constexpr int kScatterThreads = kRowsThreads + 128;  // + the adding warpgroup
-static_assert(kItemBytes == BM * BN * 4, "an item's fp32 tile is the size of its operands");
-constexpr size_t kScatterSmemBytes = kSmemAlign + size_t(kScatterStages + 1) * kItemBytes;
+// additions into L2 (at 1B the down product's additions alone take about 0.85 ms, the per-tile
+// kernel took 1.5 for all of it; docs/PERFORMANCE.md v13), so the kernel runs them side by side:
+// - Persistent blocks, one per SM, take the items band by band (output columns [n0, n0 + 128) of
+//   every row tile before the next band, so the band being added into stays in L2); within a
+//   band each block takes a run of consecutive row tiles, so consecutive items mostly share their
+//   expert and the weight slab is loaded once per expert, not once per item.
+// - Two warpgroups load (row slabs: two stages; weight slabs: two buffers, one per run of items
+//   with the same expert) and multiply; a third adds each finished tile into its rows with 16-byte
+//   vector atomics while the first two go on with the next items. The tile passes between them
+//   through one fp32 buffer, its 16-byte chunks swizzled by row, guarded by two named barriers.
+// - The indices are looked up ahead, one level of indirection per item, so no load waits on
+//   another within an iteration: item s + 5's tile (expert, first position), item s + 4's end,
+//   item s + 3's rows, item s + 1's routing weights. A block's item s lives in slot s % 4.
+constexpr int kScatterSlots = 4, kOperandBytes = 2 * kSlabA;  // a row or weight slab pair: K <= 128
+constexpr int kScatterThreads = kRowsThreads + 128;            // + the adding warpgroup
+static_assert(kSlabA == kSlabB, "row and weight slabs are the same size");
+// Two row stages, two weight buffers, the fp32 tile.
+constexpr size_t kScatterSmemBytes = kSmemAlign + 4 * size_t(kOperandBytes) + sizeof(float) * BM * BN;
 enum ScatterBarrier { kProducts = 1, kTileFull, kTileEmpty };  // 0 is __syncthreads'
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -347,45 +350,52 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// An item as looked up, level by level (in registers, then in its slot).
+// Zero-initialised ({}): no item.
+struct ScatterItem {
+  int expert, first, n0;
+  int live;          // rows of the tile (-1: not yet known)
+  int weights;       // its weight buffer
+  bool new_weights;  // the first of a run with this expert and band: loads the buffer
+};
 struct ScatterSlot {
   TileRows rows;
-  int expert, live;  // live: rows of the tile (0: no item)
-};
-struct ScatterTile {  // in registers while looked up
-  int expert = 0, first = 0, live = 0;
+  ScatterItem item;
 };
 
 template <bool kTransW>
 __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPlan plan, CvmmRowsArgs a) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
-  float* Cs = reinterpret_cast<float*>(smem + kScatterStages * kItemBytes);  // [BM][BN], swizzled
+  unsigned char* row_stage = smem;                        // [2][kOperandBytes]
+  unsigned char* weight_buffer = smem + 2 * kOperandBytes;  // [2][kOperandBytes]
+  float* Cs = reinterpret_cast<float*>(smem + 4 * kOperandBytes);  // [BM][BN], swizzled
   __shared__ ScatterSlot slot[kScatterSlots];
   const int64_t K = a.K, N = a.N;
+  // This block's row tiles in every band: [tile0, tile0 + run).
   const int tiles = *plan.live_tiles, bands = int((N + BN - 1) / BN);
-  const int64_t items = int64_t(tiles) * bands;
-  auto item_of = [&](int s) { return int64_t(blockIdx.x) + int64_t(s) * gridDim.x; };
-  auto band_start = [&](int s) { return int(item_of(s) / tiles) * BN; };
+  const int tile0 = int(int64_t(tiles) * blockIdx.x / gridDim.x);
+  const int run = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x) - tile0, items = run * bands;
   // Row rr's 16-byte chunk c of the tile buffer.
   auto chunk_at = [&](int rr, int c) { return Cs + rr * BN + ((c ^ (rr % 8)) * 4); };
 
   if (threadIdx.x >= kRowsThreads) {  // the adding warpgroup: warp w adds rows w, w + 4, ...
     const int warp = (threadIdx.x - kRowsThreads) / 32, lane = threadIdx.x % 32;
     constexpr int kWarps = (kScatterThreads - kRowsThreads) / 32;
-    if (item_of(0) < items) bar_arrive(kTileEmpty, kScatterThreads);  // the buffer starts empty
-    for (int s = 0; item_of(s) < items; ++s) {
+    if (items > 0) bar_arrive(kTileEmpty, kScatterThreads);  // the buffer starts empty
+    for (int s = 0; s < items; ++s) {
       bar_sync(kTileFull, kScatterThreads);
       const ScatterSlot& sl = slot[s % kScatterSlots];
-      const int n0 = band_start(s);
+      const int n0 = sl.item.n0;
       if (4 * lane < int(min64(BN, N - n0))) {
-        for (int rr = warp; rr < sl.live; rr += kWarps) {
+        for (int rr = warp; rr < sl.item.live; rr += kWarps) {
           const float4 c = *reinterpret_cast<const float4*>(chunk_at(rr, lane));
           const float w = sl.rows.weight[rr];
           atomicAdd(reinterpret_cast<float4*>(a.out_f32 + int64_t(sl.rows.out[rr]) * N + n0 + 4 * lane),
                     make_float4(w * c.x, w * c.y, w * c.z, w * c.w));
         }
       }
-      if (item_of(s + 1) < items) bar_arrive(kTileEmpty, kScatterThreads);
+      if (s + 1 < items) bar_arrive(kTileEmpty, kScatterThreads);
     }
     return;
   }
@@ -393,32 +403,35 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   // The loading and multiplying warpgroups.
   const int r = threadIdx.x;  // threads below BM look up row r
   const int wg = threadIdx.x / 128;
-  auto tile_of = [&](int s) {  // first level: the tile's expert and first position
-    ScatterTile t;
-    const int64_t i = item_of(s);
-    if (i < items) {
-      const int tile = int(i % tiles);
+  // First level: the tile's expert and first position, and its weight buffer from the item before.
+  auto item_of = [&](int s, const ScatterItem& before) {
+    ScatterItem t{};
+    if (s < items) {
+      const int tile = tile0 + s % run;
       t.expert = plan.tile_expert[tile];
       t.first = plan.tile_first[tile];
-      t.live = -1;  // known at the next level
+      t.n0 = s / run * BN;
+      t.live = -1;
+      t.new_weights = s == 0 || t.expert != before.expert || t.n0 != before.n0;
+      t.weights = t.new_weights ? 1 - before.weights : before.weights;
     }
     return t;
   };
-  auto tile_end = [&](ScatterTile& t) {  // second level: how many rows it has
+  auto item_end = [&](ScatterItem& t) {  // second level: how many rows it has
     if (t.live < 0) t.live = int(min64(BM, plan.expert_begin[t.expert + 1] - t.first));
   };
   struct RowLookup {
     int32_t in = -1, out = -1, sel = -1;
   };
-  auto rows_of = [&](const ScatterTile& t) {  // third level: row r's input, output and selection
+  auto rows_of = [&](const ScatterItem& t) {  // third level: row r's input, output and selection
     RowLookup l;
     if (r < BM && r < t.live) l = {plan.in_row[t.first + r], plan.out_row[t.first + r], plan.by_expert[t.first + r]};
     return l;
   };
-  auto put_rows = [&](int s, const ScatterTile& t, const RowLookup& l) {
+  auto put_rows = [&](int s, const ScatterItem& t, const RowLookup& l) {
     ScatterSlot& sl = slot[s % kScatterSlots];
     if (r < BM) sl.rows.in[r] = l.in, sl.rows.out[r] = l.out, sl.rows.sel[r] = l.sel;
-    if (r == 0) sl.expert = t.expert, sl.live = t.live;
+    if (r == 0) sl.item = t;
   };
   auto weight_of = [&](int s) {  // fourth level: row r's routing weight
     const int sel = r < BM ? slot[s % kScatterSlots].rows.sel[r] : -1;
@@ -427,16 +440,21 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   auto put_weight = [&](int s, float w) {
     if (r < BM) slot[s % kScatterSlots].rows.weight[r] = w;
   };
-  auto stage_of = [&](int s) { return smem + (s % kScatterStages) * kItemBytes; };
-  auto load_item = [&](int s) {  // item s's two slabs of rows and weight, into its stage
-    const ScatterSlot& sl = slot[s % kScatterSlots];
-    if (sl.live > 0) {
-      const bf16* We = a.W + int64_t(sl.expert) * K * N;
-      const bool x_aligned = vectorizable(a.X, K), w_aligned = vectorizable(We, kTransW ? K : N);
-      for (int kt = 0; kt < 2; ++kt) {
-        unsigned char* slab = stage_of(s) + kt * kStageBytes;
-        load_rows_slab(slab, a.X, sl.rows.in, K, kt * BK, x_aligned);
-        load_weight_slab<kTransW>(slab + kSlabA, We, K, N, kt * BK, band_start(s), w_aligned);
+  // Item s's row slabs into stage s % 2, and its weight slabs into its buffer when it starts a
+  // run. That buffer's previous run ended at item s - 2 at the latest, whose products are done.
+  auto load_item = [&](int s) {
+    const ScatterItem& t = slot[s % kScatterSlots].item;
+    if (t.live > 0) {
+      const bool x_aligned = vectorizable(a.X, K);
+      for (int kt = 0; kt < 2; ++kt)
+        load_rows_slab(row_stage + (s % 2) * kOperandBytes + kt * kSlabA, a.X, slot[s % kScatterSlots].rows.in, K,
+                       kt * BK, x_aligned);
+      if (t.new_weights) {
+        const bf16* We = a.W + int64_t(t.expert) * K * N;
+        const bool w_aligned = vectorizable(We, kTransW ? K : N);
+        for (int kt = 0; kt < 2; ++kt)
+          load_weight_slab<kTransW>(weight_buffer + t.weights * kOperandBytes + kt * kSlabB, We, K, N, kt * BK, t.n0,
+                                    w_aligned);
       }
     }
     cp_async_commit();
@@ -444,42 +462,45 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
 
   // Prologue: items 0-2 looked up to their rows, item 0 to its weights, items 3 and 4 as far as
   // the loop expects them; items 0 and 1 loading.
+  ScatterItem before{};
   for (int s = 0; s < 3; ++s) {
-    ScatterTile t = tile_of(s);
-    tile_end(t);
+    ScatterItem t = item_of(s, before);
+    item_end(t);
     put_rows(s, t, rows_of(t));
+    before = t;
   }
-  ScatterTile ahead3 = tile_of(3), ahead4 = tile_of(4);
-  tile_end(ahead3);
+  ScatterItem ahead3 = item_of(3, before);
+  ScatterItem ahead4 = item_of(4, ahead3);
+  item_end(ahead3);
   bar_sync(kProducts, kRowsThreads);
   put_weight(0, weight_of(0));
   load_item(0);
   load_item(1);
 
-  for (int s = 0; item_of(s) < items; ++s) {
+  for (int s = 0; s < items; ++s) {
     cp_async_wait<1>();  // item s has landed (this thread's copies)
     wgmma::fence_shared_for_async();
     bar_sync(kProducts, kRowsThreads);
     // This iteration's lookups, each on what earlier iterations found.
-    const ScatterTile next5 = tile_of(s + 5);
-    tile_end(ahead4);
+    const ScatterItem next5 = item_of(s + 5, ahead4);
+    item_end(ahead4);
     const RowLookup rows3 = rows_of(ahead3);
     const float w1 = weight_of(s + 1);
 
+    const ScatterItem& t = slot[s % kScatterSlots].item;
     float acc[64];
 #pragma unroll
     for (auto& v : acc) v = 0.f;
-    if (wg * 64 < slot[s % kScatterSlots].live) {
+    if (wg * 64 < t.live) {
       wgmma::fence();
-      for (int kt = 0; kt < 2; ++kt) {
-        const unsigned char* slab = stage_of(s) + kt * kStageBytes;
-        mma_slab<kTransW>(acc, slab, slab + kSlabA, wg);
-      }
+      for (int kt = 0; kt < 2; ++kt)
+        mma_slab<kTransW>(acc, row_stage + (s % 2) * kOperandBytes + kt * kSlabA,
+                          weight_buffer + t.weights * kOperandBytes + kt * kSlabB, wg);
       wgmma::commit();
       wgmma::wait<0>();
     }
-    // Once the adding warpgroup is done with item s - 1 (and both products here with the stage):
-    // the tile to it, the lookups to their slots, item s + 2 into the stage.
+    // Once the adding warpgroup is done with item s - 1 (and both products here with their
+    // operands): the tile to it, the lookups to their slots, item s + 2 into item s's stage.
     bar_sync(kTileEmpty, kScatterThreads);
 #pragma unroll
     for (int j = 0; j < 64; j += 2) {
@@ -807,10 +828,9 @@ void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t st
   int device = 0, sms = 0;
   MOEUT_CUDA_CHECK(cudaGetDevice(&device));
   MOEUT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t items = int64_t(plan.tiles) * ((a.N + BN - 1) / BN);  // an upper bound (see CvmmPlan)
   MOEUT_CUDA_CHECK(cudaFuncSetAttribute(cvmm_scatter_kernel<kTransW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         int(kScatterSmemBytes)));
-  cvmm_scatter_kernel<kTransW><<<unsigned(min64(sms, items)), kScatterThreads, kScatterSmemBytes, stream>>>(plan, a);
+  cvmm_scatter_kernel<kTransW><<<unsigned(sms), kScatterThreads, kScatterSmemBytes, stream>>>(plan, a);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -821,8 +841,8 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
   if (a.accumulate ? !a.out_f32 : !a.out) throw std::invalid_argument("cvmm_rows: output buffer missing");
   // Scatters whose product is at most two slabs deep, whose rows take 16-byte additions and that
   // take no routing-weight gradient go to the persistent kernel; the rest to the per-tile one
-  // (the attention value experts' input gradient ran slower in the persistent kernel with the
-  // gradient in its adding warps: docs/PERFORMANCE.md v13).
+  // (with the gradient in the adding warpgroup, the attention value experts' input gradient took
+  // 1.77 ms instead of 0.90: docs/PERFORMANCE.md v13).
   const bool scatter = a.accumulate && !a.dweight && a.K <= 2 * BK && rows_addable(a.out_f32, a.N, a.N);
   if (scatter) {
     if (a.transpose_w) launch_scatter<true>(plan, a, stream);

@@ -16,6 +16,7 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # expert dispatch between two GPU
 fi
 step bench_cvmm_16k "$bin/launch/moeut-bench-cvmm" 16384
 step bench_cvmm_64k "$bin/launch/moeut-bench-cvmm" 65536
+step scatter_floor_16k "$bin/launch/moeut-bench-scatter-floor" 16384
 step bench_244M_b32 "$bin/launch/moeut-bench" --config "$root/configs/244M.cfg" --batch 32
 step bench_1B_b16 "$bin/launch/moeut-bench" --config "$root/configs/1B.cfg" --batch 16
 exit $failed
