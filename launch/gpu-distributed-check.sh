@@ -32,7 +32,10 @@ run() {  # run NAME NP EP MICRO
 # More ranks than the host has GPUs: refused before any work, with exit status 2.
 gpus=$(nvidia-smi -L | wc -l)
 echo "== $((gpus + 1)) ranks on $gpus GPUs must be refused"
-mpirun -np $((gpus + 1)) --oversubscribe "$bin/moeut-train" "${common[@]}" --steps 1 > "$out/too_many_ranks.log" 2>&1
+# (A batch that splits over that many ranks, so the configuration check passes first.)
+mpirun -np $((gpus + 1)) --oversubscribe "$bin/moeut-train" --config "$config" --train_data "$root/data/brown/train.bin" \
+  --val_data "$root/data/brown/val.bin" --steps 1 --batch_size $((gpus + 1)) --micro_batch_size 1 --device cuda \
+  > "$out/too_many_ranks.log" 2>&1
 status=$?
 if [ "$status" -eq 2 ] && grep -q "GPU ranks need one GPU each" "$out/too_many_ranks.log"; then echo "   ok (refused)"
 else echo "   FAILED (status $status)"; failed=$((failed + 1)); fi
