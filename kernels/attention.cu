@@ -306,6 +306,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
   const bool vec = dh % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(q + base) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(k + base) % 16 == 0 && reinterpret_cast<uintptr_t>(v + base) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(dout + base) % 16 == 0;
+  const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
   const int k0 = kt * kFlashRows;
   auto load_query_tile = [&](int buf, int qt) {
     load_head_tile<kD>(Qs + buf * kTile, q + base, ld, qt * kFlashRows, T, dh, vec);
@@ -416,14 +417,26 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
         mma_16816(dq[n + 1], a, bk[2], bk[3]);
       }
     }
-    const int qa = qt * kFlashRows + warp * 16 + g, qb = qa + 8;
+    // Into the fp32 accumulator 4 columns per 16-byte atomic (a quarter of the atomics of one
+    // per element): lanes c and c ^ 1 trade pairs, so the even one holds query qa's columns
+    // 2c to 2c + 3 and the odd one query qb's.
+    const bool even = c % 2 == 0;
+    const int query = qt * kFlashRows + warp * 16 + g + (even ? 0 : 8);
+    float* dq_row = dq_acc + base + int64_t(query) * ld;
 #pragma unroll
-    for (int n = 0; n < kD / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int query = e < 2 ? qa : qb, d = n * 8 + 2 * c + (e % 2);
-        if (query < T && d < dh) atomicAdd(dq_acc + base + int64_t(query) * ld + d, dq[n][e]);
+    for (int n = 0; n < kD / 8; ++n) {
+      const float r0 = __shfl_xor_sync(0xffffffffu, even ? dq[n][2] : dq[n][0], 1),
+                  r1 = __shfl_xor_sync(0xffffffffu, even ? dq[n][3] : dq[n][1], 1);
+      const float4 v = even ? make_float4(dq[n][0], dq[n][1], r0, r1) : make_float4(r0, r1, dq[n][2], dq[n][3]);
+      const int d = n * 8 + 2 * (c & ~1);
+      if (query >= T || d >= dh) continue;
+      if (dq_vec4 && d + 3 < dh) {
+        atomicAdd(reinterpret_cast<float4*>(dq_row + d), v);
+      } else {
+        const float part[4] = {v.x, v.y, v.z, v.w};
+        for (int i = 0; i < 4 && d + i < dh; ++i) atomicAdd(dq_row + d + i, part[i]);
       }
+    }
     __syncthreads();  // Q, dO, dSᵀ of this tile are overwritten next
   }
   asm volatile("cp.async.wait_group 0;\n" ::);

@@ -184,15 +184,15 @@ __host__ __device__ inline bool rows_addable(const float* base, int64_t width, i
   return width % 4 == 0 && n % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
 }
 
-// dweight[sel(r)] += Σ_n Cs[r][n] · dot_rows[out(r)][n0 + n] for the tile's live rows: the
-// routing-weight gradient (see CvmmRowsArgs), from the unweighted fp32 tile.
-__device__ __forceinline__ void routing_weight_grad(const CvmmRowsArgs& a, const float* Cs, const TileRows& tr, int rows,
-                                                    int64_t N, int n0, int n_valid) {
-  // 16 threads per row, 8 columns each (one 16-byte load of dot_rows), summed by shuffles within
-  // the 16; every lane runs every round, so the shuffles see whole warps. A thread loads all
-  // its rows before summing any: with a load per round, each waited behind the previous round's
-  // atomic, in an L2 the scatter keeps busy (0.30 ms of the value experts' 1.0 ms input
-  // gradient at 1B; docs/PERFORMANCE.md v12).
+// The routing-weight gradient (see CvmmRowsArgs) of a tile: dweight[sel(r)] += Σ_n C[r][n] ·
+// dot_rows[out(r)][n0 + n] over its live rows, from the unweighted fp32 tile C, whose 16-byte
+// chunk c (columns 4c to 4c + 3) of row r is at c_chunk(r, c). Threads 0-255 take part: 16 per
+// row, 8 columns each (one 16-byte load of dot_rows), summed by shuffles within the 16. A thread
+// loads all its rows before summing any: with a load per row, each waited behind the previous
+// row's atomic, in an L2 the scatter keeps busy (docs/PERFORMANCE.md v12).
+template <class Chunk>
+__device__ __forceinline__ void routing_weight_grad(const CvmmRowsArgs& a, Chunk c_chunk, const int32_t* out,
+                                                    const int32_t* sel, int rows, int64_t N, int n0, int n_valid) {
   constexpr int kRowsPerThread = BM / (kRowsThreads / 16);
   const int n = (threadIdx.x % 16) * 8;
   const bool whole = n_valid == BN && vectorizable(a.dot_rows, N);
@@ -200,7 +200,7 @@ __device__ __forceinline__ void routing_weight_grad(const CvmmRowsArgs& a, const
 #pragma unroll
   for (int p = 0; p < kRowsPerThread; ++p) {
     const int r = threadIdx.x / 16 + p * (kRowsThreads / 16);
-    const bf16* dot = a.dot_rows + int64_t(max(tr.out[r], 0)) * N + n0 + n;
+    const bf16* dot = a.dot_rows + int64_t(max(out[r], 0)) * N + n0 + n;
     if (r >= rows) {
       dots[p] = make_uint4(0, 0, 0, 0);
     } else if (whole) {
@@ -215,15 +215,15 @@ __device__ __forceinline__ void routing_weight_grad(const CvmmRowsArgs& a, const
   for (int p = 0; p < kRowsPerThread; ++p) {
     const int r = threadIdx.x / 16 + p * (kRowsThreads / 16);
     const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&dots[p]);
-    const float4* c = reinterpret_cast<const float4*>(Cs + r * kCStride + n);  // rows 528 bytes apart
-    const float4 c0 = c[0], c1 = c[1];
+    const float4 c0 = *reinterpret_cast<const float4*>(c_chunk(r, n / 4)),
+                 c1 = *reinterpret_cast<const float4*>(c_chunk(r, n / 4 + 1));
     const float2 v0 = __bfloat1622float2(v[0]), v1 = __bfloat1622float2(v[1]), v2 = __bfloat1622float2(v[2]),
                  v3 = __bfloat1622float2(v[3]);
     float sum = c0.x * v0.x + c0.y * v0.y + c0.z * v1.x + c0.w * v1.y + c1.x * v2.x + c1.y * v2.y + c1.z * v3.x +
                 c1.w * v3.y;
 #pragma unroll
     for (int offset = 8; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (threadIdx.x % 16 == 0 && r < rows) atomicAdd(a.dweight + tr.sel[r], sum);
+    if (threadIdx.x % 16 == 0 && r < rows) atomicAdd(a.dweight + sel[r], sum);
   }
 }
 
@@ -268,7 +268,8 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
   __syncthreads();
 
   const int n_valid = int(min64(BN, N - n0));
-  if (a.dweight) routing_weight_grad(a, Cs, tr, rows, N, n0, n_valid);
+  if (a.dweight)
+    routing_weight_grad(a, [&](int r, int c) { return Cs + r * kCStride + 4 * c; }, tr.out, tr.sel, rows, N, n0, n_valid);
   if (a.accumulate && rows_addable(a.out_f32, N, n_valid)) {
     // Scatter: weight the rows in place (once the routing-weight gradient, if any, has read
     // them), then add each into its output row.
@@ -321,8 +322,8 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
   }
 }
 
-// cvmm_rows for the scatters with K <= 128 and no routing-weight gradient: the FFN's down product
-// and up input gradient, the attention's output product. An item is a row tile x 128 output
+// cvmm_rows for the scatters with K <= 128: the FFN's down product and up input gradient, the
+// attention's output product and value input gradient. An item is a row tile x 128 output
 // columns; with K <= 128 its product is two slabs, and its time goes to its loads and to the
 // additions into L2 (at 1B the down product's additions alone take about 0.85 ms, the per-tile
 // kernel took 1.5 for all of it; docs/PERFORMANCE.md v13), so the kernel runs them side by side:
@@ -334,6 +335,9 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 //   with the same expert) and multiply; a third adds each finished tile into its rows with 16-byte
 //   vector atomics while the first two go on with the next items. The tile passes between them
 //   through one fp32 buffer, its 16-byte chunks swizzled by row, guarded by two named barriers.
+//   The routing-weight gradient (value input gradient) is taken by the first two from that
+//   buffer while the third adds it (in the adding warpgroup it made that the bottleneck: 1.77 ms
+//   against 0.90 at 1B, docs/PERFORMANCE.md v13).
 // - The indices are looked up ahead, one level of indirection per item, so no load waits on
 //   another within an iteration: item s + 5's tile (expert, first position), item s + 4's end,
 //   item s + 3's rows, item s + 1's routing weights. A block's item s lives in slot s % 4.
@@ -507,12 +511,18 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
       const int rr = wg * 64 + wgmma::acc_row(j), c = wgmma::acc_col(j);
       *reinterpret_cast<float2*>(chunk_at(rr, c / 4) + c % 4) = make_float2(acc[j], acc[j + 1]);
     }
+    // The routing-weight gradient reads rows the other warpgroup wrote.
+    if (a.dweight) bar_sync(kProducts, kRowsThreads);
     put_rows(s + 3, ahead3, rows3);
     put_weight(s + 1, w1);
     bar_arrive(kTileFull, kScatterThreads);
     ahead3 = ahead4;
     ahead4 = next5;
     load_item(s + 2);
+    if (a.dweight && t.live > 0) {
+      const TileRows& tr = slot[s % kScatterSlots].rows;
+      routing_weight_grad(a, chunk_at, tr.out, tr.sel, t.live, N, t.n0, int(min64(BN, N - t.n0)));
+    }
   }
   cp_async_wait<0>();
 }
@@ -811,27 +821,36 @@ void CvmmPlanner::build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, 
 namespace {
 
 template <class Kernel, class Args>
-void launch_with_smem(Kernel kernel, dim3 grid, cudaStream_t stream, const CvmmPlan& plan, const Args& a) {
-  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-  kernel<<<grid, kRowsThreads, kSmemBytes, stream>>>(plan, a);
+void launch_with_smem(Kernel kernel, dim3 grid, int threads, size_t smem_bytes, cudaStream_t stream, const CvmmPlan& plan,
+                      const Args& a) {
+  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes)));
+  kernel<<<grid, threads, smem_bytes, stream>>>(plan, a);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
 template <bool kTransW>
 void launch_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   const dim3 grid(unsigned(plan.tiles), unsigned((a.N + BN - 1) / BN));
-  launch_with_smem(cvmm_rows_kernel<kTransW>, grid, stream, plan, a);
+  launch_with_smem(cvmm_rows_kernel<kTransW>, grid, kRowsThreads, kSmemBytes, stream, plan, a);
+}
+
+// The current device's SM count, asked of the runtime only when the device changes (the
+// persistent kernel launches one block per SM, over a hundred times per 1B step).
+int multiprocessors() {
+  thread_local int device_seen = -1, count = 0;
+  int device = 0;
+  MOEUT_CUDA_CHECK(cudaGetDevice(&device));
+  if (device != device_seen) {
+    MOEUT_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    device_seen = device;
+  }
+  return count;
 }
 
 template <bool kTransW>
 void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  MOEUT_CUDA_CHECK(cudaGetDevice(&device));
-  MOEUT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(cvmm_scatter_kernel<kTransW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(kScatterSmemBytes)));
-  cvmm_scatter_kernel<kTransW><<<unsigned(sms), kScatterThreads, kScatterSmemBytes, stream>>>(plan, a);
-  MOEUT_CUDA_CHECK(cudaGetLastError());
+  launch_with_smem(cvmm_scatter_kernel<kTransW>, dim3(unsigned(multiprocessors())), kScatterThreads, kScatterSmemBytes,
+                   stream, plan, a);
 }
 
 }  // namespace
@@ -839,11 +858,11 @@ void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t st
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   if (plan.tiles == 0) return;
   if (a.accumulate ? !a.out_f32 : !a.out) throw std::invalid_argument("cvmm_rows: output buffer missing");
-  // Scatters whose product is at most two slabs deep, whose rows take 16-byte additions and that
-  // take no routing-weight gradient go to the persistent kernel; the rest to the per-tile one
-  // (with the gradient in the adding warpgroup, the attention value experts' input gradient took
-  // 1.77 ms instead of 0.90: docs/PERFORMANCE.md v13).
-  const bool scatter = a.accumulate && !a.dweight && a.K <= 2 * BK && rows_addable(a.out_f32, a.N, a.N);
+  // Scatters whose product is at most two slabs deep and whose rows take 16-byte additions go to
+  // the persistent kernel; the rest to the per-tile one.
+  // (rows_addable with N as the band width too: every band but the last is 128 wide, and the
+  // last is N mod 128, a multiple of 4 when N is.)
+  const bool scatter = a.accumulate && a.K <= 2 * BK && rows_addable(a.out_f32, a.N, a.N);
   if (scatter) {
     if (a.transpose_w) launch_scatter<true>(plan, a, stream);
     else launch_scatter<false>(plan, a, stream);
@@ -856,7 +875,7 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
 
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {
   const dim3 grid(unsigned(((a.K + WM - 1) / WM) * ((a.N + WN - 1) / WN)), unsigned(a.n_experts));
-  launch_with_smem(cvmm_weight_grad_kernel, grid, stream, plan, a);
+  launch_with_smem(cvmm_weight_grad_kernel, grid, kRowsThreads, kSmemBytes, stream, plan, a);
 }
 
 }  // namespace moeut::cuda

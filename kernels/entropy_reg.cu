@@ -19,13 +19,18 @@ __device__ inline float group_sum(float v) {
   for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+template <int L>
+__device__ inline float group_max(float v) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
 // Log-sum-exp over the E logits at z; lane: this lane's index within its L.
 template <int L>
 __device__ inline float position_lse(const float* z, int E, int lane) {
   float mx = -INFINITY;
   for (int e = lane; e < E; e += L) mx = fmaxf(mx, z[e]);
-#pragma unroll
-  for (int o = L / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  mx = group_max<L>(mx);
   float s = 0.f;
   for (int e = lane; e < E; e += L) s += __expf(z[e] - mx);
   return mx + __logf(group_sum<L>(s));

@@ -14,6 +14,7 @@
 
 #include "core/rng.h"
 #include "kernels/cvmm_cuda.h"
+#include "launch/bench_routing.h"
 #include "launch/cuda_timing.h"
 
 namespace {
@@ -43,19 +44,10 @@ void report(const std::vector<Product>& products, double flop, double peak, int 
 
 // The FFN experts: 565 experts, top-24, d 1536, expert size 128, uniform routing.
 void ffn_products(int64_t tokens, double peak, int reps, Rng& rng) {
-  const int64_t E = 565, k = 24, d = 1536, es = 128, sels = tokens * k;
-  CvmmSelection up;
-  up.resize(sels);
+  const int64_t E = bench::kFfnExperts, k = bench::kFfnTopK, d = 1536, es = 128, sels = tokens * k;
+  const CvmmSelection up = bench::uniform_ffn_routing(tokens);
   std::vector<float> w(static_cast<size_t>(sels));
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t j = 0; j < k; ++j) {  // uniform routing: k distinct experts per token
-      const int64_t i = t * k + j;
-      up.expert[i] = int32_t((t * 7919 + j * 23) % E);
-      up.in_row[i] = int32_t(t);
-      up.out_row[i] = int32_t(i);
-      w[i] = float(rng.uniform());
-    }
-  up.group(E);
+  for (float& x : w) x = float(rng.uniform());
   CvmmSelection down = up;
   std::swap(down.in_row, down.out_row);
   const cuda::DeviceCvmmPlan pu(up), pd(down);

@@ -1,9 +1,10 @@
 // moeut-bench-scatter-floor [TOKENS]: the floor of the FFN scatters (down product, up input
-// gradient) at the 1B shapes: the additions of their 128 x 128 fp32 tiles into random token rows
-// of [TOKENS, 1536] alone, with no product and no loads. Uniform routing (565 experts, top-24),
-// row tiles of 128 selections of one expert (the last of an expert padded with its first row),
-// the additions made three ways, with tiles taken band by band (every tile of output columns
-// [n0, n0 + 128) before the next band: the cvmm kernels' order) and row by row:
+// gradient) at the 1B shapes: the additions of their 128 x 128 fp32 tiles into token rows
+// of [TOKENS, 1536] alone, with no product and no loads. The routing of moeut-bench-cvmm
+// (launch/bench_routing.h), row tiles of 128 selections of one expert (the last of an expert
+// padded with its first row), the additions made three ways, with tiles taken band by band
+// (every tile of output columns [n0, n0 + 128) before the next band: the cvmm kernels' order)
+// and row by row:
 //  - the L2's bulk reduction from shared memory, one 512-byte row per copy;
 //  - 16-byte vector atomics from the threads;
 //  - plain 16-byte stores (no addition), for the bandwidth of the same access pattern.
@@ -12,12 +13,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <numeric>
 #include <vector>
 
-#include "core/rng.h"
 #include "kernels/cuda_check.h"
 #include "kernels/device_buffer.h"
+#include "launch/bench_routing.h"
 #include "launch/cuda_timing.h"
 
 namespace {
@@ -58,21 +58,12 @@ __global__ void __launch_bounds__(kThreads) add_tiles(float* out, const int32_t*
 int main(int argc, char** argv) {
   using namespace moeut;
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 16384;
-  const int experts = 565, k = 24;
-  Rng rng(3);
-  std::vector<std::vector<int32_t>> by_expert(experts);
-  std::vector<int32_t> order(experts);
-  for (int64_t t = 0; t < tokens; ++t) {  // k distinct experts per token
-    std::iota(order.begin(), order.end(), 0);
-    for (int j = 0; j < k; ++j) {
-      std::swap(order[j], order[j + int(rng.next() % uint64_t(experts - j))]);
-      by_expert[order[j]].push_back(int32_t(t));
-    }
-  }
-  std::vector<int32_t> rows;
-  for (const auto& e : by_expert)
-    for (size_t p = 0; p < e.size(); p += kTile)
-      for (size_t i = 0; i < kTile; ++i) rows.push_back(e[p + i < e.size() ? p + i : p]);
+  const CvmmSelection sel = bench::uniform_ffn_routing(tokens);
+  std::vector<int32_t> rows;  // each expert's token rows, its last tile padded with its first row
+  for (int64_t e = 0; e < bench::kFfnExperts; ++e)
+    for (int64_t p = sel.expert_begin[e]; p < sel.expert_begin[e + 1]; p += kTile)
+      for (int64_t i = 0; i < kTile; ++i)
+        rows.push_back(sel.in_row[size_t(sel.by_expert[size_t(p + i < sel.expert_begin[e + 1] ? p + i : p)])]);
   const int tiles = int(rows.size() / kTile);
   const cuda::DeviceBuffer<int32_t> d_rows(rows);
   cuda::DeviceBuffer<float> out(size_t(tokens) * kD);
@@ -80,7 +71,7 @@ int main(int argc, char** argv) {
   const int smem = kTile * (kTile + kPad) * sizeof(float);
   const double bytes = double(rows.size()) * kD * sizeof(float);
   std::printf("%lld tokens, %d experts, top-%d: %d row tiles (%zu rows with padding), %.2f GB of fp32 additions\n",
-              static_cast<long long>(tokens), experts, k, tiles, rows.size(), bytes / 1e9);
+              static_cast<long long>(tokens), int(bench::kFfnExperts), int(bench::kFfnTopK), tiles, rows.size(), bytes / 1e9);
   auto time = [&](const char* name, auto kernel, bool by_band) {
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const double ms = bench::median_ms([&] {
