@@ -327,13 +327,15 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 // columns; with K <= 128 its product is two slabs, and its time goes to its loads and to the
 // additions into L2 (at 1B the down product's additions alone take about 0.85 ms, the per-tile
 // kernel took 1.5 for all of it; docs/PERFORMANCE.md v13), so the kernel runs them side by side:
-// - Persistent blocks, one per SM, take the items band by band (output columns [n0, n0 + 128) of
-//   every row tile before the next band, so the band being added into stays in L2); within a
-//   band each block takes a run of consecutive row tiles, so consecutive items mostly share their
-//   expert and the weight slab is loaded once per expert, not once per item.
-// - Two warpgroups load (row slabs: two stages; weight slabs: two buffers, one per run of items
-//   with the same expert) and multiply; a third adds each finished tile into its rows with 16-byte
-//   vector atomics while the first two go on with the next items. The tile passes between them
+// - Persistent blocks, one per SM, take the items by pairs of bands (output columns [n0, n0 + 256)
+//   of every row tile before the next pair, so the 16 MB being added into stays in L2); within a
+//   pair each block takes a run of consecutive row tiles, both bands of a tile in turn. The two
+//   items of a tile share its row slabs (at 1B the FFN's 100 MB of rows do not stay in L2: read
+//   once per pair, not once per band, docs/PERFORMANCE.md v14), and consecutive tiles mostly
+//   share their expert, so each band's weight slab is loaded once per expert, not once per item.
+// - Two warpgroups load (row slabs: two stages, one per tile; weight slabs: one buffer per band of
+//   the pair) and multiply; a third adds each finished tile into its rows with 16-byte vector
+//   atomics while the first two go on with the next items. The tile passes between them
 //   through one fp32 buffer, its 16-byte chunks swizzled by row, guarded by two named barriers.
 //   The routing-weight gradient (value input gradient) is taken by the first two from that
 //   buffer while the third adds it (in the adding warpgroup it made that the bottleneck: 1.77 ms
@@ -359,8 +361,8 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
 struct ScatterItem {
   int expert, first, n0;
   int live;          // rows of the tile (-1: not yet known)
-  int weights;       // its weight buffer
-  bool new_weights;  // the first of a run with this expert and band: loads the buffer
+  bool first_band;   // the first of its band pair: loads the row slabs
+  bool new_weights;  // its weight buffer (one per band of the pair) holds another slab: loads it
 };
 struct ScatterSlot {
   TileRows rows;
@@ -376,10 +378,11 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   float* Cs = reinterpret_cast<float*>(smem + 4 * kOperandBytes);  // [BM][BN], swizzled
   __shared__ ScatterSlot slot[kScatterSlots];
   const int64_t K = a.K, N = a.N;
-  // This block's row tiles in every band: [tile0, tile0 + run).
+  // This block's row tiles in every band: [tile0, tile0 + run), taken by pairs of bands: item s
+  // is row tile tile0 + (s mod 2·run) / 2 in band 2·(s div 2·run) + s mod 2.
   const int tiles = *plan.live_tiles, bands = int((N + BN - 1) / BN);
   const int tile0 = int(int64_t(tiles) * blockIdx.x / gridDim.x);
-  const int run = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x) - tile0, items = run * bands;
+  const int run = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x) - tile0, items = run * 2 * ((bands + 1) / 2);
   // Row rr's 16-byte chunk c of the tile buffer.
   auto chunk_at = [&](int rr, int c) { return Cs + rr * BN + ((c ^ (rr % 8)) * 4); };
 
@@ -407,17 +410,20 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   // The loading and multiplying warpgroups.
   const int r = threadIdx.x;  // threads below BM look up row r
   const int wg = threadIdx.x / 128;
-  // First level: the tile's expert and first position, and its weight buffer from the item before.
-  auto item_of = [&](int s, const ScatterItem& before) {
+  // First level: the tile's expert and first position, and whether its weight buffer (band
+  // parity) needs loading after item s - 2, the buffer's previous user.
+  auto item_of = [&](int s, const ScatterItem& before2) {
     ScatterItem t{};
-    if (s < items) {
-      const int tile = tile0 + s % run;
+    t.expert = -1;
+    const int band = 2 * (s / (2 * run)) + s % 2;
+    if (s < items && band < bands) {
+      const int tile = tile0 + s % (2 * run) / 2;
       t.expert = plan.tile_expert[tile];
       t.first = plan.tile_first[tile];
-      t.n0 = s / run * BN;
+      t.n0 = band * BN;
       t.live = -1;
-      t.new_weights = s == 0 || t.expert != before.expert || t.n0 != before.n0;
-      t.weights = t.new_weights ? 1 - before.weights : before.weights;
+      t.first_band = s % 2 == 0;
+      t.new_weights = s < 2 || t.expert != before2.expert || t.n0 != before2.n0;
     }
     return t;
   };
@@ -444,20 +450,23 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   auto put_weight = [&](int s, float w) {
     if (r < BM) slot[s % kScatterSlots].rows.weight[r] = w;
   };
-  // Item s's row slabs into stage s % 2, and its weight slabs into its buffer when it starts a
-  // run. That buffer's previous run ended at item s - 2 at the latest, whose products are done.
+  // Item s's row slabs into stage (s / 2) % 2 when it is the first of its pair (the second uses
+  // them too), and its weight slabs into buffer s % 2 when that holds another slab. The stage's
+  // and the buffer's previous users ended at item s - 2 at the latest, whose products are done.
   auto load_item = [&](int s) {
     const ScatterItem& t = slot[s % kScatterSlots].item;
     if (t.live > 0) {
-      const bool x_aligned = vectorizable(a.X, K);
-      for (int kt = 0; kt < 2; ++kt)
-        load_rows_slab(row_stage + (s % 2) * kOperandBytes + kt * kSlabA, a.X, slot[s % kScatterSlots].rows.in, K,
-                       kt * BK, x_aligned);
+      if (t.first_band) {
+        const bool x_aligned = vectorizable(a.X, K);
+        for (int kt = 0; kt < 2; ++kt)
+          load_rows_slab(row_stage + (s / 2 % 2) * kOperandBytes + kt * kSlabA, a.X, slot[s % kScatterSlots].rows.in,
+                         K, kt * BK, x_aligned);
+      }
       if (t.new_weights) {
         const bf16* We = a.W + int64_t(t.expert) * K * N;
         const bool w_aligned = vectorizable(We, kTransW ? K : N);
         for (int kt = 0; kt < 2; ++kt)
-          load_weight_slab<kTransW>(weight_buffer + t.weights * kOperandBytes + kt * kSlabB, We, K, N, kt * BK, t.n0,
+          load_weight_slab<kTransW>(weight_buffer + (s % 2) * kOperandBytes + kt * kSlabB, We, K, N, kt * BK, t.n0,
                                     w_aligned);
       }
     }
@@ -466,15 +475,14 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
 
   // Prologue: items 0-2 looked up to their rows, item 0 to its weights, items 3 and 4 as far as
   // the loop expects them; items 0 and 1 loading.
-  ScatterItem before{};
+  ScatterItem first3[3];
   for (int s = 0; s < 3; ++s) {
-    ScatterItem t = item_of(s, before);
-    item_end(t);
-    put_rows(s, t, rows_of(t));
-    before = t;
+    first3[s] = item_of(s, first3[max(s - 2, 0)]);
+    item_end(first3[s]);
+    put_rows(s, first3[s], rows_of(first3[s]));
   }
-  ScatterItem ahead3 = item_of(3, before);
-  ScatterItem ahead4 = item_of(4, ahead3);
+  ScatterItem ahead3 = item_of(3, first3[1]);
+  ScatterItem ahead4 = item_of(4, first3[2]);
   item_end(ahead3);
   bar_sync(kProducts, kRowsThreads);
   put_weight(0, weight_of(0));
@@ -486,7 +494,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     wgmma::fence_shared_for_async();
     bar_sync(kProducts, kRowsThreads);
     // This iteration's lookups, each on what earlier iterations found.
-    const ScatterItem next5 = item_of(s + 5, ahead4);
+    const ScatterItem next5 = item_of(s + 5, ahead3);
     item_end(ahead4);
     const RowLookup rows3 = rows_of(ahead3);
     const float w1 = weight_of(s + 1);
@@ -498,13 +506,13 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     if (wg * 64 < t.live) {
       wgmma::fence();
       for (int kt = 0; kt < 2; ++kt)
-        mma_slab<kTransW>(acc, row_stage + (s % 2) * kOperandBytes + kt * kSlabA,
-                          weight_buffer + t.weights * kOperandBytes + kt * kSlabB, wg);
+        mma_slab<kTransW>(acc, row_stage + (s / 2 % 2) * kOperandBytes + kt * kSlabA,
+                          weight_buffer + (s % 2) * kOperandBytes + kt * kSlabB, wg);
       wgmma::commit();
       wgmma::wait<0>();
     }
     // Once the adding warpgroup is done with item s - 1 (and both products here with their
-    // operands): the tile to it, the lookups to their slots, item s + 2 into item s's stage.
+    // operands): the tile to it, the lookups to their slots, item s + 2's loads.
     bar_sync(kTileEmpty, kScatterThreads);
 #pragma unroll
     for (int j = 0; j < 64; j += 2) {
