@@ -327,14 +327,16 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 // columns; with K <= 128 its product is two slabs, and its time goes to its loads and to the
 // additions into L2 (at 1B the down product's additions alone take about 0.85 ms, the per-tile
 // kernel took 1.5 for all of it; docs/PERFORMANCE.md v13), so the kernel runs them side by side:
-// - Persistent blocks, one per SM, take the items by pairs of bands (output columns [n0, n0 + 256)
-//   of every row tile before the next pair, so the 16 MB being added into stays in L2); within a
-//   pair each block takes a run of consecutive row tiles, both bands of a tile in turn. The two
-//   items of a tile share its row slabs (at 1B the FFN's 100 MB of rows do not stay in L2: read
-//   once per pair, not once per band, docs/PERFORMANCE.md v14), and consecutive tiles mostly
-//   share their expert, so each band's weight slab is loaded once per expert, not once per item.
-// - Two warpgroups load (row slabs: two stages, one per tile; weight slabs: one buffer per band of
-//   the pair) and multiply; a third adds each finished tile into its rows with 16-byte vector
+// - Persistent blocks, one per SM, take the items by groups of G bands, G = 1 or 2 (output
+//   columns [n0, n0 + 128·G) of every row tile before the next group, so the band being added
+//   into stays in L2: 8 MB per band at 1B and 16k tokens); within a group each block takes a run
+//   of consecutive row tiles, the G bands of a tile in turn. Those items share the tile's row
+//   slabs (at 1B the FFN's 100 MB of rows do not stay in L2: read once per pair of bands, not
+//   once per band, docs/PERFORMANCE.md v14), and consecutive tiles mostly share their expert, so
+//   a band's weight slab is loaded once per expert, not once per item. G = 2 when two bands of
+//   the output fit in half of L2.
+// - Two warpgroups load (row slabs: two stages, one per tile; weight slabs: two buffers, item s
+//   in buffer s % 2) and multiply; a third adds each finished tile into its rows with 16-byte vector
 //   atomics while the first two go on with the next items. The tile passes between them
 //   through one fp32 buffer, its 16-byte chunks swizzled by row, guarded by two named barriers.
 //   The routing-weight gradient (value input gradient) is taken by the first two from that
@@ -361,8 +363,8 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
 struct ScatterItem {
   int expert, first, n0;
   int live;          // rows of the tile (-1: not yet known)
-  bool first_band;   // the first of its band pair: loads the row slabs
-  bool new_weights;  // its weight buffer (one per band of the pair) holds another slab: loads it
+  bool first_band;   // the first of its group of bands: loads the row slabs
+  bool new_weights;  // its weight buffer holds another slab: loads it
 };
 struct ScatterSlot {
   TileRows rows;
@@ -370,7 +372,7 @@ struct ScatterSlot {
 };
 
 template <bool kTransW>
-__global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPlan plan, CvmmRowsArgs a) {
+__global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPlan plan, CvmmRowsArgs a, int group) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
   unsigned char* row_stage = smem;                        // [2][kOperandBytes]
@@ -378,11 +380,12 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   float* Cs = reinterpret_cast<float*>(smem + 4 * kOperandBytes);  // [BM][BN], swizzled
   __shared__ ScatterSlot slot[kScatterSlots];
   const int64_t K = a.K, N = a.N;
-  // This block's row tiles in every band: [tile0, tile0 + run), taken by pairs of bands: item s
-  // is row tile tile0 + (s mod 2·run) / 2 in band 2·(s div 2·run) + s mod 2.
+  // This block's row tiles in every band: [tile0, tile0 + run), taken by groups of bands: item s
+  // is row tile tile0 + (s mod G·run) / G in band G·(s div G·run) + s mod G.
   const int tiles = *plan.live_tiles, bands = int((N + BN - 1) / BN);
   const int tile0 = int(int64_t(tiles) * blockIdx.x / gridDim.x);
-  const int run = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x) - tile0, items = run * 2 * ((bands + 1) / 2);
+  const int run = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x) - tile0;
+  const int items = run * group * ((bands + group - 1) / group);
   // Row rr's 16-byte chunk c of the tile buffer.
   auto chunk_at = [&](int rr, int c) { return Cs + rr * BN + ((c ^ (rr % 8)) * 4); };
 
@@ -410,19 +413,19 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   // The loading and multiplying warpgroups.
   const int r = threadIdx.x;  // threads below BM look up row r
   const int wg = threadIdx.x / 128;
-  // First level: the tile's expert and first position, and whether its weight buffer (band
-  // parity) needs loading after item s - 2, the buffer's previous user.
+  // First level: the tile's expert and first position, and whether its weight buffer needs
+  // loading after item s - 2, the buffer's previous user.
   auto item_of = [&](int s, const ScatterItem& before2) {
     ScatterItem t{};
     t.expert = -1;
-    const int band = 2 * (s / (2 * run)) + s % 2;
+    const int band = group * (s / (group * run)) + s % group;
     if (s < items && band < bands) {
-      const int tile = tile0 + s % (2 * run) / 2;
+      const int tile = tile0 + s % (group * run) / group;
       t.expert = plan.tile_expert[tile];
       t.first = plan.tile_first[tile];
       t.n0 = band * BN;
       t.live = -1;
-      t.first_band = s % 2 == 0;
+      t.first_band = s % group == 0;
       t.new_weights = s < 2 || t.expert != before2.expert || t.n0 != before2.n0;
     }
     return t;
@@ -450,7 +453,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   auto put_weight = [&](int s, float w) {
     if (r < BM) slot[s % kScatterSlots].rows.weight[r] = w;
   };
-  // Item s's row slabs into stage (s / 2) % 2 when it is the first of its pair (the second uses
+  // Item s's row slabs into stage (s / G) % 2 when it is the first of its group (the others use
   // them too), and its weight slabs into buffer s % 2 when that holds another slab. The stage's
   // and the buffer's previous users ended at item s - 2 at the latest, whose products are done.
   auto load_item = [&](int s) {
@@ -459,7 +462,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
       if (t.first_band) {
         const bool x_aligned = vectorizable(a.X, K);
         for (int kt = 0; kt < 2; ++kt)
-          load_rows_slab(row_stage + (s / 2 % 2) * kOperandBytes + kt * kSlabA, a.X, slot[s % kScatterSlots].rows.in,
+          load_rows_slab(row_stage + (s / group % 2) * kOperandBytes + kt * kSlabA, a.X, slot[s % kScatterSlots].rows.in,
                          K, kt * BK, x_aligned);
       }
       if (t.new_weights) {
@@ -506,7 +509,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     if (wg * 64 < t.live) {
       wgmma::fence();
       for (int kt = 0; kt < 2; ++kt)
-        mma_slab<kTransW>(acc, row_stage + (s / 2 % 2) * kOperandBytes + kt * kSlabA,
+        mma_slab<kTransW>(acc, row_stage + (s / group % 2) * kOperandBytes + kt * kSlabA,
                           weight_buffer + (s % 2) * kOperandBytes + kt * kSlabB, wg);
       wgmma::commit();
       wgmma::wait<0>();
@@ -854,23 +857,33 @@ void launch_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t strea
   launch_with_smem(cvmm_rows_kernel<kTransW>, grid, kRowsThreads, kSmemBytes, stream, plan, a);
 }
 
-// The current device's SM count, asked of the runtime only when the device changes (the
-// persistent kernel launches one block per SM, over a hundred times per 1B step).
-int multiprocessors() {
-  thread_local int device_seen = -1, count = 0;
+// The current device's SM count and L2 size, asked of the runtime only when the device changes
+// (the persistent kernel launches one block per SM, over a hundred times per 1B step).
+struct DeviceFacts {
+  int multiprocessors = 0, l2_bytes = 0;
+};
+DeviceFacts device_facts() {
+  thread_local int device_seen = -1;
+  thread_local DeviceFacts facts;
   int device = 0;
   MOEUT_CUDA_CHECK(cudaGetDevice(&device));
   if (device != device_seen) {
-    MOEUT_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    MOEUT_CUDA_CHECK(cudaDeviceGetAttribute(&facts.multiprocessors, cudaDevAttrMultiProcessorCount, device));
+    MOEUT_CUDA_CHECK(cudaDeviceGetAttribute(&facts.l2_bytes, cudaDevAttrL2CacheSize, device));
     device_seen = device;
   }
-  return count;
+  return facts;
 }
 
 template <bool kTransW>
 void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
-  launch_with_smem(cvmm_scatter_kernel<kTransW>, dim3(unsigned(multiprocessors())), kScatterThreads, kScatterSmemBytes,
-                   stream, plan, a);
+  const DeviceFacts facts = device_facts();
+  // Bands in pairs when two of them fit in half of L2. H100 (50 MB), 1B shapes, ms with one band
+  // against two: 16k tokens (16 MB a pair) down 1.208 / 1.151, up dX 1.234 / 1.136; 32k tokens
+  // (34 MB) down 3.028 / 3.456, up dX 3.004 / 3.455, o 1.289 / 1.652 (docs/PERFORMANCE.md v14).
+  const int group = 2 * BN * sizeof(float) * a.out_rows <= int64_t(facts.l2_bytes) / 2 ? 2 : 1;
+  launch_with_smem(cvmm_scatter_kernel<kTransW>, dim3(unsigned(facts.multiprocessors)), kScatterThreads,
+                   kScatterSmemBytes, stream, plan, a, group);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@ namespace {
 
 using cuda::DeviceBuffer;
 using namespace gpu_test;
+constexpr auto kNoRelu = cuda::CvmmRowsArgs::Relu::kNone;  // scatters: only out_rows follows
 
 struct Shape {
   int64_t tokens, experts, k, d, es;
@@ -86,7 +87,8 @@ void check(const Shape& s) {
     std::vector<float> ref = init;
     cvmm_forward(ref.data(), H.data(), Wv.data(), w.data(), down, es, d, ws);
     DeviceBuffer<float> out(init);
-    cuda::cvmm_rows(plan_down.view(), {gH.get(), values, gw.get(), nullptr, out.get(), nullptr, nullptr, es, d, false, true}, 0);
+    cuda::cvmm_rows(plan_down.view(), {gH.get(), values, gw.get(), nullptr, out.get(), nullptr, nullptr, es, d, false, true,
+                                       kNoRelu, n}, 0);
     EXPECT_LE(rel_error(out.download(), ref), 1e-3) << "down forward";
   }
   {  // down backward: dH = w · dY[t] · values_eᵀ, dw = (dY[t] · values_eᵀ) · H[s], dValues
@@ -108,18 +110,23 @@ void check(const Shape& s) {
     cvmm_backward(dX_ref.data(), dWk_ref.data(), static_cast<float*>(nullptr), dH.data(), X.data(), Wk.data(),
                   static_cast<const float*>(nullptr), up, d, es, ws);
     DeviceBuffer<float> gdX(dX_init), gdWk(dWk_init);
-    cuda::cvmm_rows(plan_up.view(true), {gdH.get(), keys, nullptr, nullptr, gdX.get(), nullptr, nullptr, es, d, true, true}, 0);
+    cuda::cvmm_rows(plan_up.view(true), {gdH.get(), keys, nullptr, nullptr, gdX.get(), nullptr, nullptr, es, d, true, true,
+                                         kNoRelu, n}, 0);
     cuda::cvmm_weight_grad(plan_up.view(), {gX.get(), gdH.get(), nullptr, true, gdWk.get(), d, es, E}, 0);
     EXPECT_LE(rel_error(gdX.download(), dX_ref), 1e-3) << "up: input gradient";
     EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient";
   }
-  {  // the same, weighted, with the routing-weight gradient (the attention value experts' shape):
-     // dX[t] += Σ w · dH[s] · keys_eᵀ, dw = (dH[s] · keys_eᵀ) · X[t]
+  // The same, weighted, with the routing-weight gradient (the attention value experts' shape):
+  // dX[t] += Σ w · dH[s] · keys_eᵀ, dw = (dH[s] · keys_eᵀ) · X[t]. Told its output has 2^30 rows,
+  // more than L2 holds, the scatter adds into it one band at a time instead of two.
+  for (const int64_t out_rows : {n, int64_t(1) << 30}) {
+    SCOPED_TRACE("out_rows " + std::to_string(out_rows));
     const auto dX_init = random_bf16_values(n * d, rng, 1.0);
     std::vector<float> dX_ref = dX_init, dWk_ref(E * d * es, 0.f), dw_ref(sels);
     cvmm_backward(dX_ref.data(), dWk_ref.data(), dw_ref.data(), dH.data(), X.data(), Wk.data(), w.data(), up, d, es, ws);
     DeviceBuffer<float> gdX(dX_init), gdw(std::vector<float>(sels, 0.f));
-    cuda::cvmm_rows(plan_up.view(true), {gdH.get(), keys, gw.get(), nullptr, gdX.get(), gdw.get(), gX.get(), es, d, true, true}, 0);
+    cuda::cvmm_rows(plan_up.view(true), {gdH.get(), keys, gw.get(), nullptr, gdX.get(), gdw.get(), gX.get(), es, d, true, true,
+                                         kNoRelu, out_rows}, 0);
     EXPECT_LE(rel_error(gdX.download(), dX_ref), 1e-3) << "up, weighted: input gradient";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "up, weighted: routing-weight gradient";
   }
