@@ -418,8 +418,8 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   auto item_of = [&](int s, const ScatterItem& before2) {
     ScatterItem t{};
     t.expert = -1;
-    const int band = group * (s / (group * run)) + s % group;
-    if (s < items && band < bands) {
+    const int band = s < items ? group * (s / (group * run)) + s % group : bands;  // run > 0 when s < items
+    if (band < bands) {
       const int tile = tile0 + s % (group * run) / group;
       t.expert = plan.tile_expert[tile];
       t.first = plan.tile_first[tile];
