@@ -26,7 +26,6 @@ int64_t router_ld(int64_t out) { return (out + 7) / 8 * 8; }
 using bf16 = __nv_bfloat16;
 using cuda::DeviceBuffer;
 using cuda::check_cublas;
-constexpr auto kNoRelu = cuda::CvmmRowsArgs::Relu::kNone;  // scatters: only out_rows follows
 
 }  // namespace
 
@@ -271,7 +270,7 @@ void GpuModel::attention_forward(int64_t l) {
   planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, stream_);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(vsum_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
   cuda::cvmm_rows(L.plan_v.view(), {L.xb.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, vsum_.get(), nullptr,
-                                     nullptr, d, dh, false, true, kNoRelu, N * H}, stream_);
+                                     nullptr, d, dh, false, true, N * H}, stream_);
   mark(Part::kOther);
   cuda::to_bf16(L.v.get(), vsum_.get(), N * hd, stream_);
   mark(Part::kAttention);
@@ -280,7 +279,7 @@ void GpuModel::attention_forward(int64_t l) {
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(L.x_mid.get(), x, size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
-                                     nullptr, dh, d, false, true, kNoRelu, N}, stream_);
+                                     nullptr, dh, d, false, true, N}, stream_);
 }
 
 void GpuModel::ffn_forward(int64_t l) {
@@ -318,9 +317,9 @@ void GpuModel::experts_forward(int64_t l, const bf16* X, const int32_t* index, c
   mark(Part::kExperts);
   planner_->build(L.plan_ff, index, rows, 1, E, kf, cuda::CvmmRoute::kGatherToSelections, stream_);
   cuda::cvmm_rows(L.plan_ff.view(), {X, wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr, nullptr, d, es,
-                                      false, false, cuda::CvmmRowsArgs::Relu::kApply}, stream_);
+                                      false, false, 0, cuda::CvmmRowsArgs::Relu::kApply}, stream_);
   cuda::cvmm_rows(L.plan_ff.view(true), {L.hidden.get(), wparam(p + "ffn.values"), weight, nullptr, out, nullptr,
-                                          nullptr, es, d, false, true, kNoRelu, rows}, stream_);
+                                          nullptr, es, d, false, true, rows}, stream_);
 }
 
 LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pass) {
@@ -480,12 +479,12 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, const bf16* X, const 
   // dhidden comes out already through the ReLU's gradient (masked where hidden is 0); the
   // routing-weight gradient is the same either way, its dot products reading hidden itself.
   cuda::cvmm_rows(L.plan_ff.view(), {dY, wparam(p + "ffn.values"), weight, dhidden_.get(), nullptr, dw, L.hidden.get(),
-                                      d, es, true, false, cuda::CvmmRowsArgs::Relu::kMaskByDotRows}, stream_);
+                                      d, es, true, false, 0, cuda::CvmmRowsArgs::Relu::kMaskByDotRows}, stream_);
   weight_grads_->fork();
   cuda::cvmm_weight_grad(L.plan_ff.view(), {X, dhidden_.get(), nullptr, true, gparam(p + "ffn.keys"), d, es, E},
                          weight_grads_->get());
   cuda::cvmm_rows(L.plan_ff.view(true), {dhidden_.get(), wparam(p + "ffn.keys"), nullptr, nullptr, dX, nullptr, nullptr,
-                                          es, d, true, true, kNoRelu, rows}, stream_);
+                                          es, d, true, true, rows}, stream_);
   weight_grads_->join();
 }
 
@@ -508,7 +507,7 @@ void GpuModel::attention_backward(int64_t l) {
   cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
                                             d, H * Ea}, weight_grads_->get());
   cuda::cvmm_rows(L.plan_o.view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
-                                         dw_.get(), L.heads.get(), d, dh, true, true, kNoRelu, N * H}, stream_);
+                                         dw_.get(), L.heads.get(), d, dh, true, true, N * H}, stream_);
   // The gradients of LN1's four readers go side by side into attn_in_grad_ (see gpu_model.h):
   // dq, dk, the value router's, the output router's.
   bf16* const dq = attn_in_grad_.get();
@@ -531,7 +530,7 @@ void GpuModel::attention_backward(int64_t l) {
   cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
                                             H * Ea}, weight_grads_->get());
   cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), dw_.get(),
-                                         L.xb.get(), dh, d, true, true, kNoRelu, N}, stream_);
+                                         L.xb.get(), dh, d, true, true, N}, stream_);
   routing_grad(L.zv.get(), L.iv.get(), L.wv.get(), H, Ea, ka, dz_v, attn_in_ld_);
   mark(Part::kAttention);
   cuda::rope_backward(dq, B_, T, H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);

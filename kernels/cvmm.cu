@@ -358,8 +358,8 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// An item as looked up, level by level (in registers, then in its slot).
-// Zero-initialised ({}): no item.
+// An item as looked up, level by level (in registers, then in its slot). No item (past the
+// block's items, or a band past N): expert -1, live 0.
 struct ScatterItem {
   int expert, first, n0;
   int live;          // rows of the tile (-1: not yet known)
@@ -560,7 +560,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   const int64_t K = a.K, N = a.N;
   const int64_t n_tiles_n = (N + WN - 1) / WN, tiles = (K + WM - 1) / WM * n_tiles_n, E = a.n_experts;
   // Block b: tile `tile` of expert e, in groups of tile_group tiles of every expert (see
-  // kWeightGradTileGroup).
+  // kWeightGradTileGroup); a group past the last tile is cut to the tiles left.
   const int64_t g = int64_t(blockIdx.x) / (E * tile_group), in_group = min64(tile_group, tiles - g * tile_group);
   const int64_t rem = int64_t(blockIdx.x) - g * E * tile_group, tile = g * tile_group + rem % in_group;
   const int e = int(rem / in_group);
@@ -909,7 +909,7 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {
   const int64_t tiles = ((a.K + WM - 1) / WM) * ((a.N + WN - 1) / WN);
   launch_with_smem(cvmm_weight_grad_kernel, dim3(unsigned(tiles * a.n_experts)), kRowsThreads, kSmemBytes, stream, plan, a,
-                   int(std::min<int64_t>(kWeightGradTileGroup, tiles)));
+                   kWeightGradTileGroup);
 }
 
 }  // namespace moeut::cuda

@@ -46,12 +46,12 @@ struct CvmmRowsArgs {
   const __nv_bfloat16* dot_rows;
   int64_t K, N;
   bool transpose_w, accumulate;
+  // Scatters (accumulate) only: rows of out_f32 (0: not given, taken as few), which sets how
+  // many 128-column bands of it the additions work in at once (what L2 must hold).
+  int64_t out_rows = 0;
   // Stored (bf16) outputs only: kApply stores max(0, ·) (the FFN's hidden units); kMaskByDotRows
   // stores 0 where dot_rows <= 0 (the gradient through that ReLU, dot_rows being its output).
   enum class Relu { kNone, kApply, kMaskByDotRows } relu = Relu::kNone;
-  // Scatters: rows of out_f32 (0: not given, taken as few), which sets how many 128-column
-  // bands of it the additions work in at once (what L2 must hold).
-  int64_t out_rows = 0;
 };
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream);
 

@@ -23,7 +23,6 @@ using namespace moeut;
 using bench::median_ms;
 using bench::random_device;
 using bf16 = __nv_bfloat16;
-constexpr auto kNoRelu = cuda::CvmmRowsArgs::Relu::kNone;  // scatters: only out_rows follows
 
 struct Product {
   const char* name;
@@ -61,10 +60,10 @@ void ffn_products(int64_t tokens, double peak, int reps, Rng& rng) {
               (long long)E, (long long)k, double(sels) / double(E));
   report({
       {"up      [m,1536]x[1536,128]  gather", [&] { cuda::cvmm_rows(pu.view(), {X.get(), Wk.get(), nullptr, Hout.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0); }},
-      {"down    [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(pd.view(), {H.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, es, d, false, true, kNoRelu, tokens}, 0); }},
+      {"down    [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(pd.view(), {H.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, es, d, false, true, tokens}, 0); }},
       {"down dX [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(pd.view(true), {dY.get(), Wv.get(), gw.get(), Hout.get(), nullptr, dwf.get(), H.get(), d, es, true, false}, 0); }},
       {"down dW [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, 0); }},
-      {"up dX   [m,128]x[128,1536]   scatter", [&] { cuda::cvmm_rows(pu.view(true), {dH.get(), Wk.get(), nullptr, nullptr, Yf.get(), nullptr, nullptr, es, d, true, true, kNoRelu, tokens}, 0); }},
+      {"up dX   [m,128]x[128,1536]   scatter", [&] { cuda::cvmm_rows(pu.view(true), {dH.get(), Wk.get(), nullptr, nullptr, Yf.get(), nullptr, nullptr, es, d, true, true, tokens}, 0); }},
       {"up dW   [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, 0); }},
   }, 2.0 * double(sels) * double(d) * double(es), peak, reps);
 }
@@ -97,12 +96,12 @@ void attention_products(int64_t tokens, double peak, int reps, Rng& rng) {
   std::printf("attention experts: %lld tokens, %lld heads x %lld experts, top-%lld per head (%.0f rows per expert)\n",
               (long long)tokens, (long long)H, (long long)Ea, (long long)ka, double(sels) / double(E));
   report({
-      {"v       [m,1536]x[1536,128]  gather+w", [&] { cuda::cvmm_rows(pv.view(), {X.get(), Wv.get(), gw.get(), nullptr, heads_f.get(), nullptr, nullptr, d, dh, false, true, kNoRelu, tokens * H}, 0); }},
-      {"o       [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(po.view(), {heads.get(), Wo.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, dh, d, false, true, kNoRelu, tokens}, 0); }},
+      {"v       [m,1536]x[1536,128]  gather+w", [&] { cuda::cvmm_rows(pv.view(), {X.get(), Wv.get(), gw.get(), nullptr, heads_f.get(), nullptr, nullptr, d, dh, false, true, tokens * H}, 0); }},
+      {"o       [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(po.view(), {heads.get(), Wo.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, dh, d, false, true, tokens}, 0); }},
       {"o dW    [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(po.view(), {heads.get(), dY.get(), gw.get(), true, dWo.get(), dh, d, E}, 0); }},
-      {"o dX    [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(po.view(true), {dY.get(), Wo.get(), gw.get(), nullptr, heads_f.get(), dwf.get(), heads.get(), d, dh, true, true, kNoRelu, tokens * H}, 0); }},
+      {"o dX    [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(po.view(true), {dY.get(), Wo.get(), gw.get(), nullptr, heads_f.get(), dwf.get(), heads.get(), d, dh, true, true, tokens * H}, 0); }},
       {"v dW    [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pv.view(), {X.get(), dv.get(), gw.get(), true, dWv.get(), d, dh, E}, 0); }},
-      {"v dX    [m,128]x[128,1536]   +dw scatter", [&] { cuda::cvmm_rows(pv.view(true), {dv.get(), Wv.get(), gw.get(), nullptr, Yf.get(), dwf.get(), X.get(), dh, d, true, true, kNoRelu, tokens}, 0); }},
+      {"v dX    [m,128]x[128,1536]   +dw scatter", [&] { cuda::cvmm_rows(pv.view(true), {dv.get(), Wv.get(), gw.get(), nullptr, Yf.get(), dwf.get(), X.get(), dh, d, true, true, tokens}, 0); }},
   }, 2.0 * double(sels) * double(d) * double(dh), peak, reps);
 }
 

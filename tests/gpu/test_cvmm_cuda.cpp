@@ -18,7 +18,6 @@ namespace {
 
 using cuda::DeviceBuffer;
 using namespace gpu_test;
-constexpr auto kNoRelu = cuda::CvmmRowsArgs::Relu::kNone;  // scatters: only out_rows follows
 
 struct Shape {
   int64_t tokens, experts, k, d, es;
@@ -88,7 +87,7 @@ void check(const Shape& s) {
     cvmm_forward(ref.data(), H.data(), Wv.data(), w.data(), down, es, d, ws);
     DeviceBuffer<float> out(init);
     cuda::cvmm_rows(plan_down.view(), {gH.get(), values, gw.get(), nullptr, out.get(), nullptr, nullptr, es, d, false, true,
-                                       kNoRelu, n}, 0);
+                                       n}, 0);
     EXPECT_LE(rel_error(out.download(), ref), 1e-3) << "down forward";
   }
   {  // down backward: dH = w · dY[t] · values_eᵀ, dw = (dY[t] · values_eᵀ) · H[s], dValues
@@ -111,7 +110,7 @@ void check(const Shape& s) {
                   static_cast<const float*>(nullptr), up, d, es, ws);
     DeviceBuffer<float> gdX(dX_init), gdWk(dWk_init);
     cuda::cvmm_rows(plan_up.view(true), {gdH.get(), keys, nullptr, nullptr, gdX.get(), nullptr, nullptr, es, d, true, true,
-                                         kNoRelu, n}, 0);
+                                         n}, 0);
     cuda::cvmm_weight_grad(plan_up.view(), {gX.get(), gdH.get(), nullptr, true, gdWk.get(), d, es, E}, 0);
     EXPECT_LE(rel_error(gdX.download(), dX_ref), 1e-3) << "up: input gradient";
     EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient";
@@ -126,7 +125,7 @@ void check(const Shape& s) {
     cvmm_backward(dX_ref.data(), dWk_ref.data(), dw_ref.data(), dH.data(), X.data(), Wk.data(), w.data(), up, d, es, ws);
     DeviceBuffer<float> gdX(dX_init), gdw(std::vector<float>(sels, 0.f));
     cuda::cvmm_rows(plan_up.view(true), {gdH.get(), keys, gw.get(), nullptr, gdX.get(), gdw.get(), gX.get(), es, d, true, true,
-                                         kNoRelu, out_rows}, 0);
+                                         out_rows}, 0);
     EXPECT_LE(rel_error(gdX.download(), dX_ref), 1e-3) << "up, weighted: input gradient";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "up, weighted: routing-weight gradient";
   }
