@@ -422,7 +422,6 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
     // 2c to 2c + 3 and the odd one query qb's.
     const bool even = c % 2 == 0;
     const int query = qt * kFlashRows + warp * 16 + g + (even ? 0 : 8);
-    float* dq_row = dq_acc + base + int64_t(query) * ld;
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n) {
       const float r0 = __shfl_xor_sync(0xffffffffu, even ? dq[n][2] : dq[n][0], 1),
@@ -430,11 +429,12 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
       const float4 v = even ? make_float4(dq[n][0], dq[n][1], r0, r1) : make_float4(r0, r1, dq[n][2], dq[n][3]);
       const int d = n * 8 + 2 * (c & ~1);
       if (query >= T || d >= dh) continue;
+      float* const dq_at = dq_acc + base + int64_t(query) * ld + d;
       if (dq_vec4 && d + 3 < dh) {
-        atomicAdd(reinterpret_cast<float4*>(dq_row + d), v);
+        atomicAdd(reinterpret_cast<float4*>(dq_at), v);
       } else {
         const float part[4] = {v.x, v.y, v.z, v.w};
-        for (int i = 0; i < 4 && d + i < dh; ++i) atomicAdd(dq_row + d + i, part[i]);
+        for (int i = 0; i < 4 && d + i < dh; ++i) atomicAdd(dq_at + i, part[i]);
       }
     }
     __syncthreads();  // Q, dO, dSᵀ of this tile are overwritten next

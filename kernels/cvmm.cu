@@ -478,7 +478,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
 
   // Prologue: items 0-2 looked up to their rows, item 0 to its weights, items 3 and 4 as far as
   // the loop expects them; items 0 and 1 loading.
-  ScatterItem first3[3];
+  ScatterItem first3[3]{};  // first3[0] also stands for "item s - 2" of items 0 and 1, never read
   for (int s = 0; s < 3; ++s) {
     first3[s] = item_of(s, first3[max(s - 2, 0)]);
     item_end(first3[s]);
