@@ -1,10 +1,14 @@
 // cvmm on the GPU: see cvmm_cuda.h. Hopper tensor-core tiles (wgmma, bf16 -> fp32) over the
 // selections of one expert; row gathers happen in the tile loads, weights and scatters in the
 // epilogue (row products) or in shared memory (weight gradients).
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
+#include <map>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -95,11 +99,14 @@ __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
 }
 
 // A tile's selections, looked up once into shared memory: input and output rows, the selection
-// itself (routing-weight gradients) and its routing weight. Returns how many rows are live.
-struct TileRows {
-  int32_t in[BM], out[BM], sel[BM];
-  float weight[BM];
+// itself (routing-weight gradients) and its routing weight. load_tile_rows returns how many rows
+// are live.
+template <int R>
+struct TileRowsOf {
+  int32_t in[R], out[R], sel[R];
+  float weight[R];
 };
+using TileRows = TileRowsOf<BM>;
 __device__ int load_tile_rows(TileRows& t, const CvmmPlan& plan, const float* weight, int tile, int& expert) {
   expert = plan.tile_expert[tile];
   const int first = plan.tile_first[tile];
@@ -116,10 +123,12 @@ __device__ int load_tile_rows(TileRows& t, const CvmmPlan& plan, const float* we
   return rows;
 }
 
-// One 64-deep slab of the tile's gathered rows, from column k0 of X [*, K].
+// One 64-deep slab of the tile's R gathered rows, from column k0 of X [*, K], copied by
+// `threads` threads of which this is `thread`.
+template <int R = BM>
 __device__ __forceinline__ void load_rows_slab(unsigned char* as, const bf16* X, const int32_t* in, int64_t K, int64_t k0,
-                                               bool aligned) {
-  for (int c = threadIdx.x; c < BM * BK / 8; c += kRowsThreads) {
+                                               bool aligned, int thread = threadIdx.x, int threads = kRowsThreads) {
+  for (int c = thread; c < R * BK / 8; c += threads) {
     const int r = c / (BK / 8), kc = c % (BK / 8);
     const int valid = in[r] < 0 ? 0 : int(min64(8, K - (k0 + kc * 8)));
     load8(reinterpret_cast<bf16*>(as + wgmma::swizzled_chunk(r, kc)), X + int64_t(max(in[r], 0)) * K + k0 + kc * 8,
@@ -146,10 +155,10 @@ __device__ __forceinline__ void load_weight_slab(unsigned char* bs, const bf16* 
     }
   }
 }
-// acc += this warpgroup's 64 rows of the slab at `as` times the weight slab at `bs`.
+// acc += the 64 rows from row0 of the slab at `as` times the weight slab at `bs`.
 template <bool kTransW>
-__device__ __forceinline__ void mma_slab(float (&acc)[64], const unsigned char* as, const unsigned char* bs, int wg) {
-  const uint32_t a_addr = wgmma::smem_address(as + wg * 64 * 128), b_addr = wgmma::smem_address(bs);
+__device__ __forceinline__ void mma_slab(float (&acc)[64], const unsigned char* as, const unsigned char* bs, int row0) {
+  const uint32_t a_addr = wgmma::smem_address(as + row0 * 128), b_addr = wgmma::smem_address(bs);
 #pragma unroll
   for (int k16 = 0; k16 < BK / 16; ++k16) {
     const uint64_t b = kTransW ? wgmma::k_major(b_addr, k16) : wgmma::mn_major(b_addr, BK * 128, k16);
@@ -261,7 +270,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
         if (!wg_live) return;
         const unsigned char* as = smem + stage * kStageBytes;
         wgmma::fence();
-        mma_slab<kTransW>(acc, as, as + kSlabA, wg);
+        mma_slab<kTransW>(acc, as, as + kSlabA, wg * 64);
         wgmma::commit();
       });
   store_acc(Cs, acc, wg);
@@ -510,7 +519,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
       wgmma::fence();
       for (int kt = 0; kt < 2; ++kt)
         mma_slab<kTransW>(acc, row_stage + (s / group % 2) * kOperandBytes + kt * kSlabA,
-                          weight_buffer + (s % 2) * kOperandBytes + kt * kSlabB, wg);
+                          weight_buffer + (s % 2) * kOperandBytes + kt * kSlabB, wg * 64);
       wgmma::commit();
       wgmma::wait<0>();
     }
@@ -536,6 +545,202 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     }
   }
   cp_async_wait<0>();
+}
+
+// mbarriers (shared memory, 8 bytes) and the tensor-memory-access copy of a 2D box.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(wgmma::smem_address(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(wgmma::smem_address(bar)), "r"(bytes)
+               : "memory");
+}
+// Arrives once all of this thread's earlier cp.async copies have landed (counted in the init).
+__device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(wgmma::smem_address(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(wgmma::smem_address(bar)), "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          wgmma::smem_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(wgmma::smem_address(bar))
+      : "memory");
+}
+
+// cvmm_rows for the gathered products with stored outputs and one band (N = 128, K a multiple of
+// 64, 16-byte aligned rows and weights): the FFN's up product and its down input gradient. The
+// per-tile kernel reads its expert's weight once per 128-row tile, half of what it moves through
+// L2 at 1B (393 KB per tile). A 256-row tile halves that, but at one block per SM the per-tile
+// kernel's step barriers go uncovered, and copying warps issuing every 16-byte copy could not
+// keep up (docs/PERFORMANCE.md v15). So:
+// - Persistent blocks take the plan's tile pairs (256 rows of one expert), pair blockIdx.x first,
+//   then every gridDim.x-th, so the blocks in flight share their experts' weights in L2.
+// - Two copying warpgroups (40 registers a thread, `setmaxnreg`) fill four 48 KB stages, as far
+//   ahead as the stages allow: a pair's row lookups into its slot (two slots), then per 64-deep
+//   step the gathered rows' slab (32 KB) by cp.async and the weight slab (16 KB) by one thread's
+//   tensor copy.
+//   Stage s is full on its mbarrier: each copying thread's copies arrive on it as they land
+//   (cp.async.mbarrier.arrive.noinc), the slab by its byte count.
+// - Two multiplying warpgroups (216 registers a thread), 128 rows each, store their rows from the
+//   accumulators while the copies of the next pair go on.
+// - Named barriers: stage s empty (products done), slot j free (its pair's outputs stored). Each
+//   counts all 512 threads; nobody arrives at one that no one will wait on.
+// H100, 1B shapes, 16k tokens, against the per-tile kernel in the same run: up 0.557 / 0.689 ms,
+// down input gradient 0.611 / 0.691.
+constexpr int kGatherRows = 2 * BM, kGatherStages = 4, kGatherCopyThreads = 256;
+constexpr int kGatherThreads = 2 * 128 + kGatherCopyThreads;
+constexpr int kGatherSlabA = kGatherRows * BK * 2, kGatherStageBytes = kGatherSlabA + kSlabB;
+constexpr size_t kGatherSmemBytes = kSmemAlign + size_t(kGatherStages) * kGatherStageBytes;
+enum GatherBarrier { kStageEmpty = 1, kSlotFree = kStageEmpty + kGatherStages, kSlotWritten = kSlotFree + 2 };
+static_assert(kSlotWritten < 16, "16 named barriers per block");
+
+template <bool kTransW>
+__global__ void __launch_bounds__(kGatherThreads, 1)
+    cvmm_gather_kernel(CvmmPlan plan, CvmmRowsArgs a, const __grid_constant__ CUtensorMap weights) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = aligned_smem(smem_raw);
+  __shared__ TileRowsOf<kGatherRows> slot[2];
+  // Stage s is full when every copying thread's row copies and the weight slab's tensor copy
+  // have landed.
+  __shared__ alignas(8) uint64_t full[kGatherStages];
+  if (threadIdx.x < kGatherStages) mbar_init(&full[threadIdx.x], kGatherCopyThreads + 1);
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  __syncthreads();
+  const int64_t K = a.K, N = a.N;
+  const int steps = int(K / BK), pairs = *plan.live_pairs;
+  const int my_pairs = int(blockIdx.x) < pairs ? (pairs - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
+  const int total_steps = my_pairs * steps;
+  // Pair j of this block: its expert, first position and live rows.
+  struct Pair {
+    int expert, first, rows;
+  };
+  auto pair_of = [&](int j) {
+    const int tile = plan.pair_tile[int(blockIdx.x) + j * int(gridDim.x)];
+    Pair p{plan.tile_expert[tile], plan.tile_first[tile], 0};
+    p.rows = int(min64(kGatherRows, plan.expert_begin[p.expert + 1] - p.first));
+    return p;
+  };
+
+  if (threadIdx.x >= 2 * 128) {  // the copying warpgroups
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    const int thread = threadIdx.x - 2 * 128;
+    const bool x_aligned = vectorizable(a.X, K);
+    int g = 0;  // steps issued
+    for (int j = 0; j < my_pairs; ++j) {
+      const Pair p = pair_of(j);
+      TileRowsOf<kGatherRows>& sl = slot[j % 2];
+      if (j >= 2) bar_sync(kSlotFree + j % 2, kGatherThreads);  // pair j - 2's outputs are stored
+      for (int r = thread; r < kGatherRows; r += kGatherCopyThreads) {
+        const bool live = r < p.rows;
+        const int sel = live ? plan.by_expert[p.first + r] : -1;
+        sl.in[r] = live ? plan.in_row[p.first + r] : -1;
+        sl.out[r] = live ? plan.out_row[p.first + r] : -1;
+        sl.sel[r] = sel;
+        sl.weight[r] = live && a.weight ? a.weight[sel] : 1.f;
+      }
+      bar_sync(kSlotWritten, kGatherCopyThreads);  // every copying thread gathers rows another one looked up
+      for (int kt = 0; kt < steps; ++kt, ++g) {
+        const int stage = g % kGatherStages;
+        if (g >= kGatherStages) bar_sync(kStageEmpty + stage, kGatherThreads);  // step g - 4's products done
+        unsigned char* as = smem + stage * kGatherStageBytes;
+        if (thread == 0) {  // the weight slab: one tensor copy ([N][K]: 128 rows of 64) or two ([K][N]: 64 x 64 each)
+          mbar_expect_tx(&full[stage], kSlabB);
+          if constexpr (kTransW) {
+            tma_load_2d(as + kGatherSlabA, &weights, kt * BK, p.expert * int(N), &full[stage]);
+          } else {
+            for (int h = 0; h < 2; ++h)
+              tma_load_2d(as + kGatherSlabA + h * (BK * 128), &weights, h * 64, p.expert * int(K) + kt * BK, &full[stage]);
+          }
+        }
+        load_rows_slab<kGatherRows>(as, a.X, sl.in, K, int64_t(kt) * BK, x_aligned, thread, kGatherCopyThreads);
+        mbar_arrive_on_copies(&full[stage]);
+      }
+    }
+    return;
+  }
+
+  // The multiplying warpgroups: warpgroup wg's fragment f holds rows (2·wg + f)·64 onwards.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
+  const int wg = threadIdx.x / 128;
+  auto fragment_row = [&](int f) { return (2 * wg + f) * 64; };
+  using Relu = CvmmRowsArgs::Relu;
+  const bool masked = a.relu == Relu::kMaskByDotRows;
+  int g = 0;  // steps consumed
+  for (int j = 0; j < my_pairs; ++j) {
+    const int rows = pair_of(j).rows;
+    float acc[2][64];
+#pragma unroll
+    for (auto& fragment : acc)
+#pragma unroll
+      for (auto& v : fragment) v = 0.f;
+    // A warpgroup whose rows are all past the pair's end idles; one with some multiplies both
+    // fragments (rows past the end are zeros: a branch per fragment serialises the products,
+    // ptxas C7520).
+    const bool live = fragment_row(0) < rows;
+    for (int kt = 0; kt < steps; ++kt, ++g) {
+      const int stage = g % kGatherStages;
+      mbar_wait(&full[stage], (g / kGatherStages) % 2);
+      wgmma::fence_shared_for_async();  // the copies' writes, before the products read them
+      if (live) {
+        const unsigned char* as = smem + stage * kGatherStageBytes;
+        wgmma::fence();
+#pragma unroll
+        for (int f = 0; f < 2; ++f) mma_slab<kTransW>(acc[f], as, as + kGatherSlabA, fragment_row(f));
+        wgmma::commit();
+        wgmma::wait<0>();
+      }
+      if (g + kGatherStages < total_steps) bar_arrive(kStageEmpty + stage, kGatherThreads);
+    }
+    // Outputs from the accumulators: a thread holds two rows per fragment (accumulator elements
+    // j with j / 2 even and odd), two adjacent columns per element pair. The routing-weight
+    // gradient sums each row over its 4 threads' columns.
+    const TileRowsOf<kGatherRows>& sl = slot[j % 2];
+#pragma unroll
+    for (int f = 0; f < 2; ++f) {
+      // The fragment's dot_rows pairs, all loaded before any is used (one at a time, each load
+      // would wait behind the previous pair's store).
+      uint32_t dots[32];
+#pragma unroll
+      for (int e = 0; e < 64; e += 2) {
+        const int r = fragment_row(f) + wgmma::acc_row(e);
+        dots[e / 2] = (a.dweight || masked) && r < rows
+                          ? *reinterpret_cast<const uint32_t*>(a.dot_rows + int64_t(sl.out[r]) * N + wgmma::acc_col(e))
+                          : 0u;
+      }
+      float dot_sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 64; e += 2) {
+        const int r = fragment_row(f) + wgmma::acc_row(e), c = wgmma::acc_col(e);
+        if (r >= rows) continue;
+        const int64_t at = int64_t(sl.out[r]) * N + c;
+        const float2 dot = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&dots[e / 2]));
+        dot_sum[(e / 2) % 2] += acc[f][e] * dot.x + acc[f][e + 1] * dot.y;
+        const float w = sl.weight[r];
+        float v0 = w * acc[f][e], v1 = w * acc[f][e + 1];
+        if (a.relu == Relu::kApply) v0 = fmaxf(v0, 0.f), v1 = fmaxf(v1, 0.f);
+        if (masked) v0 = dot.x > 0.f ? v0 : 0.f, v1 = dot.y > 0.f ? v1 : 0.f;
+        *reinterpret_cast<__nv_bfloat162*>(a.out + at) = __floats2bfloat162_rn(v0, v1);
+      }
+      if (a.dweight) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float sum = dot_sum[h];
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          const int r = fragment_row(f) + wgmma::acc_row(2 * h);
+          if (threadIdx.x % 4 == 0 && r < rows) atomicAdd(a.dweight + sl.sel[r], sum);
+        }
+      }
+    }
+    if (j + 2 < my_pairs) bar_arrive(kSlotFree + j % 2, kGatherThreads);
+  }
 }
 
 // dW_e[k0.., n0..] += Σ_s A[a_row(s)][k]·w_s·B[b_row(s)][n]: a 128 (K) x 128 (N) tile per block,
@@ -679,11 +884,17 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
 
 namespace {
 
-std::vector<int32_t> tile_list(const CvmmSelection& sel, bool experts) {
+enum class TileField { kExpert, kFirst, kPairTile };
+// The plan's tile lists, built on the host: each tile's expert or first position, or the tiles
+// that start a pair (see CvmmPlan::pair_tile).
+std::vector<int32_t> tile_list(const CvmmSelection& sel, TileField field) {
   std::vector<int32_t> out;
+  int32_t tile = 0;
   for (size_t e = 0; e + 1 < sel.expert_begin.size(); ++e)
-    for (int64_t p = sel.expert_begin[e]; p < sel.expert_begin[e + 1]; p += kCvmmTileRows)
-      out.push_back(experts ? int32_t(e) : int32_t(p));
+    for (int64_t p = sel.expert_begin[e]; p < sel.expert_begin[e + 1]; p += kCvmmTileRows, ++tile) {
+      if (field == TileField::kPairTile && (p - sel.expert_begin[e]) / kCvmmTileRows % 2 != 0) continue;
+      out.push_back(field == TileField::kExpert ? int32_t(e) : field == TileField::kFirst ? int32_t(p) : tile);
+    }
   return out;
 }
 
@@ -698,17 +909,20 @@ DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
   in_row = DeviceBuffer<int32_t>(in_by_position);
   out_row = DeviceBuffer<int32_t>(out_by_position);
   by_expert = DeviceBuffer<int32_t>(sel.by_expert);
-  const std::vector<int32_t> experts = tile_list(sel, true);
+  const std::vector<int32_t> experts = tile_list(sel, TileField::kExpert), pairs = tile_list(sel, TileField::kPairTile);
   tile_expert = DeviceBuffer<int32_t>(experts);
-  tile_first = DeviceBuffer<int32_t>(tile_list(sel, false));
+  tile_first = DeviceBuffer<int32_t>(tile_list(sel, TileField::kFirst));
+  pair_tile = DeviceBuffer<int32_t>(pairs.empty() ? std::vector<int32_t>{0} : pairs);
   expert_begin = DeviceBuffer<int64_t>(sel.expert_begin);
   tiles = int32_t(experts.size());
   live_tiles = DeviceBuffer<int32_t>(std::vector<int32_t>{tiles});
+  live_pairs = DeviceBuffer<int32_t>(std::vector<int32_t>{int32_t(pairs.size())});
 }
 
 CvmmPlan CvmmPlanBuffers::view(bool swapped) const {
   return {by_expert.get(), swapped ? out_row.get() : in_row.get(), swapped ? in_row.get() : out_row.get(),
-          expert_begin.get(), tile_expert.get(), tile_first.get(), live_tiles.get(), tiles};
+          expert_begin.get(), tile_expert.get(), tile_first.get(), live_tiles.get(), pair_tile.get(), live_pairs.get(),
+          tiles};
 }
 
 namespace {
@@ -747,39 +961,44 @@ __global__ void count_experts(int32_t* counts, const int32_t* sorted_key, int64_
   if (int(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(counts + key, __popc(peers));
 }
 
-// Expert offsets and row tiles from the counts, in one block: a scan of counts and tile counts
-// over the experts, 256 at a time, then each thread lists its expert's tiles. No host round trip.
+// Expert offsets, row tiles and tile pairs from the counts, in one block: scans of the counts,
+// tile counts and pair counts over the experts, 256 at a time, then each thread lists its
+// expert's tiles and pairs. No host round trip.
 constexpr int kPlanThreads = 256;
 __global__ void __launch_bounds__(kPlanThreads)
     offsets_and_tiles(int64_t* begin, int32_t* tile_expert, int32_t* tile_first, int32_t* live_tiles,
-                      const int32_t* counts, int experts) {
+                      int32_t* pair_tile, int32_t* live_pairs, const int32_t* counts, int experts) {
   using Scan = cub::BlockScan<int64_t, kPlanThreads>;
   __shared__ typename Scan::TempStorage scratch;
-  __shared__ int64_t done_rows, done_tiles;  // totals of the experts before this pass
-  if (threadIdx.x == 0) done_rows = done_tiles = 0;
+  __shared__ int64_t done_rows, done_tiles, done_pairs;  // totals of the experts before this pass
+  if (threadIdx.x == 0) done_rows = done_tiles = done_pairs = 0;
   __syncthreads();
   for (int e0 = 0; e0 < experts; e0 += kPlanThreads) {
     const int e = e0 + int(threadIdx.x);
     const int64_t rows = e < experts ? counts[e] : 0, tiles = (rows + kCvmmTileRows - 1) / kCvmmTileRows;
-    int64_t first_row, first_tile, pass_rows, pass_tiles;
+    int64_t first_row, first_tile, first_pair, pass_rows, pass_tiles, pass_pairs;
     Scan(scratch).ExclusiveSum(rows, first_row, pass_rows);
     __syncthreads();
     Scan(scratch).ExclusiveSum(tiles, first_tile, pass_tiles);
-    first_row += done_rows, first_tile += done_tiles;
+    __syncthreads();
+    Scan(scratch).ExclusiveSum((tiles + 1) / 2, first_pair, pass_pairs);
+    first_row += done_rows, first_tile += done_tiles, first_pair += done_pairs;
     if (e < experts) {
       begin[e] = first_row;
       for (int64_t i = 0; i < tiles; ++i) {
         tile_expert[first_tile + i] = e;
         tile_first[first_tile + i] = int32_t(first_row + i * kCvmmTileRows);
+        if (i % 2 == 0) pair_tile[first_pair + i / 2] = int32_t(first_tile + i);
       }
     }
     __syncthreads();
-    if (threadIdx.x == 0) done_rows += pass_rows, done_tiles += pass_tiles;
+    if (threadIdx.x == 0) done_rows += pass_rows, done_tiles += pass_tiles, done_pairs += pass_pairs;
     __syncthreads();
   }
   if (threadIdx.x == 0) {
     begin[experts] = done_rows;
     *live_tiles = int32_t(done_tiles);
+    *live_pairs = int32_t(done_pairs);
   }
 }
 
@@ -808,6 +1027,8 @@ CvmmPlanBuffers CvmmPlanner::make_buffers() const {
   p.tile_expert = DeviceBuffer<int32_t>(size_t(p.tiles));
   p.tile_first = DeviceBuffer<int32_t>(size_t(p.tiles));
   p.live_tiles = DeviceBuffer<int32_t>(1);
+  p.pair_tile = DeviceBuffer<int32_t>(size_t(p.tiles));
+  p.live_pairs = DeviceBuffer<int32_t>(1);
   p.expert_begin = DeviceBuffer<int64_t>(size_t(max_experts_ + 1));
   return p;
 }
@@ -838,7 +1059,8 @@ void CvmmPlanner::build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, 
     MOEUT_CUDA_CHECK(cudaGetLastError());
   }
   offsets_and_tiles<<<1, kPlanThreads, 0, stream>>>(plan.expert_begin.get(), plan.tile_expert.get(), plan.tile_first.get(),
-                                         plan.live_tiles.get(), counts_.get(), int(experts));
+                                                    plan.live_tiles.get(), plan.pair_tile.get(), plan.live_pairs.get(),
+                                                    counts_.get(), int(experts));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -886,19 +1108,66 @@ void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t st
                    kScatterSmemBytes, stream, plan, a, group);
 }
 
+// The expert weights as a 2D tensor for the gather kernel's weight slabs, 128-byte swizzled
+// boxes: [N][K] (kTransW) as rows of K with boxes of 128 rows x 64, [K][N] as rows of N with boxes
+// of 64 x 64. Made once per weight (the parameters do not move).
+CUtensorMap weight_map(const CvmmRowsArgs& a) {
+  struct Key {
+    const void* w;
+    int64_t K, N;
+    bool trans;
+    bool operator<(const Key& o) const { return std::tie(w, K, N, trans) < std::tie(o.w, o.K, o.N, o.trans); }
+  };
+  thread_local std::map<Key, CUtensorMap> maps;
+  const Key key{a.W, a.K, a.N, a.transpose_w};
+  if (auto it = maps.find(key); it != maps.end()) return it->second;
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MOEUT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    if (!fn || found != cudaDriverEntryPointSuccess) throw std::runtime_error("cuTensorMapEncodeTiled not found");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  const cuuint64_t inner = cuuint64_t(a.transpose_w ? a.K : a.N);
+  // Rows: an upper bound on every expert's (the expert count is not passed). The bound only
+  // matters to boxes that cross the tensor's end, and every box lies inside one expert's weight.
+  const cuuint64_t dims[2] = {inner, cuuint64_t(1) << 30};
+  const cuuint64_t strides[1] = {inner * sizeof(bf16)};
+  const cuuint32_t box[2] = {64, cuuint32_t(a.transpose_w ? BN : BK)}, unit[2] = {1, 1};
+  CUtensorMap map;
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(a.W), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed: " + std::to_string(int(r)));
+  maps.emplace(key, map);
+  return map;
+}
+
+template <bool kTransW>
+void launch_gather(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
+  launch_with_smem(cvmm_gather_kernel<kTransW>, dim3(unsigned(device_facts().multiprocessors)), kGatherThreads,
+                   kGatherSmemBytes, stream, plan, a, weight_map(a));
+}
+
 }  // namespace
 
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   if (plan.tiles == 0) return;
   if (a.accumulate ? !a.out_f32 : !a.out) throw std::invalid_argument("cvmm_rows: output buffer missing");
   // Scatters whose product is at most two slabs deep and whose rows take 16-byte additions go to
-  // the persistent kernel; the rest to the per-tile one.
+  // the persistent scatter kernel; stored products of one band over whole 64-deep slabs, with
+  // 16-byte aligned rows, to the persistent gather kernel; the rest to the per-tile one.
   // (rows_addable with N as the band width too: every band but the last is 128 wide, and the
   // last is N mod 128, a multiple of 4 when N is.)
   const bool scatter = a.accumulate && a.K <= 2 * BK && rows_addable(a.out_f32, a.N, a.N);
+  const bool gather = !a.accumulate && a.N == BN && a.K % BK == 0 && vectorizable(a.X, a.K) && vectorizable(a.out, a.N) &&
+                      (!a.dot_rows || vectorizable(a.dot_rows, a.N)) && vectorizable(a.W, a.K);
   if (scatter) {
     if (a.transpose_w) launch_scatter<true>(plan, a, stream);
     else launch_scatter<false>(plan, a, stream);
+  } else if (gather) {
+    if (a.transpose_w) launch_gather<true>(plan, a, stream);
+    else launch_gather<false>(plan, a, stream);
   } else if (a.transpose_w) {
     launch_rows<true>(plan, a, stream);
   } else {

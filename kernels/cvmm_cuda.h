@@ -26,6 +26,10 @@ struct CvmmPlan {
   const int32_t* tile_expert;   // [tiles]
   const int32_t* tile_first;    // [tiles] first position (into by_expert) of the tile
   const int32_t* live_tiles;    // [1]
+  // Tile pairs: the first tile of every two consecutive tiles of one expert (an expert's last
+  // tile alone when its count is odd), for kernels that take 2·kCvmmTileRows rows at a time.
+  const int32_t* pair_tile;     // [tiles], *live_pairs used
+  const int32_t* live_pairs;    // [1]
   int32_t tiles;
 };
 inline constexpr int kCvmmTileRows = 128;
@@ -70,7 +74,7 @@ void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStr
 // A plan's device arrays. view(swapped): in_row and out_row exchanged, for the transposed
 // product of a backward pass.
 struct CvmmPlanBuffers {
-  DeviceBuffer<int32_t> in_row, out_row, by_expert, tile_expert, tile_first, live_tiles;
+  DeviceBuffer<int32_t> in_row, out_row, by_expert, tile_expert, tile_first, live_tiles, pair_tile, live_pairs;
   DeviceBuffer<int64_t> expert_begin;
   int32_t tiles = 0;
   CvmmPlan view(bool swapped = false) const;

@@ -1,11 +1,13 @@
 // The CUDA cvmm kernels against the CPU reference (kernels/cvmm.cpp) on random inputs: the four
 // expert products of a σ-MoE layer, forward and backward, at several shapes, including widths
-// that are not multiples of 8, skewed routing and experts that receive nothing; the scatter
-// product with a routing-weight gradient (the attention value experts' input gradient). bf16 operands
+// that are not multiples of 8, skewed routing and experts that receive nothing; the FFN's ReLU
+// options; the scatter product with a routing-weight gradient (the attention value experts'
+// input gradient). bf16 operands
 // are rounded once on the host and the reference computes on the same rounded values.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/rng.h"
@@ -102,6 +104,29 @@ void check(const Shape& s) {
     EXPECT_LE(rel_error(to_float(gdHout.download()), dH_ref), 1e-2) << "down: input gradient";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "down: routing-weight gradient";
     EXPECT_LE(rel_error(gdWv.download(), dWv_ref), 1e-2) << "down: expert-weight gradient";
+  }
+  {  // The FFN's ReLU: up stores max(0, ·); the down input gradient is masked where those hidden
+     // units are 0, and its routing-weight gradient dots with them (the GPU's own hidden units
+     // feed both, so their zeros are the same).
+    using Relu = cuda::CvmmRowsArgs::Relu;
+    std::vector<float> relu_ref(sels * es, 0.f);
+    cvmm_forward(relu_ref.data(), X.data(), Wk.data(), static_cast<const float*>(nullptr), up, d, es, ws);
+    for (float& v : relu_ref) v = std::max(v, 0.f);
+    DeviceBuffer<bf16> gHr(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
+    cuda::cvmm_rows(plan_up.view(), {gX.get(), keys, nullptr, gHr.get(), nullptr, nullptr, nullptr, d, es, false, false, 0,
+                                     Relu::kApply}, 0);
+    const std::vector<float> Hr = to_float(gHr.download());
+    EXPECT_LE(rel_error(Hr, relu_ref), 1e-2) << "up forward, ReLU applied";
+    std::vector<float> dH_ref(sels * es, 0.f), dWv_ref(E * es * d, 0.f), dw_ref(sels);
+    cvmm_backward(dH_ref.data(), dWv_ref.data(), dw_ref.data(), dY.data(), Hr.data(), Wv.data(), w.data(), down, es, d, ws);
+    for (size_t i = 0; i < dH_ref.size(); ++i)
+      if (!(Hr[i] > 0.f)) dH_ref[i] = 0.f;
+    DeviceBuffer<bf16> gdHout(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
+    DeviceBuffer<float> gdw(std::vector<float>(sels, 0.f));
+    cuda::cvmm_rows(plan_down.view(true), {gdY.get(), values, gw.get(), gdHout.get(), nullptr, gdw.get(), gHr.get(), d, es,
+                                           true, false, 0, Relu::kMaskByDotRows}, 0);
+    EXPECT_LE(rel_error(to_float(gdHout.download()), dH_ref), 1e-2) << "down: input gradient masked by the ReLU";
+    EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "down: routing-weight gradient on the ReLU's output";
   }
   {  // up backward: dX[t] += Σ dH[s] · keys_eᵀ, dKeys
     const auto dX_init = random_bf16_values(n * d, rng, 1.0), dWk_init = random_bf16_values(E * d * es, rng, 1.0);
