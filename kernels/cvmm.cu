@@ -699,7 +699,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
       if (g + kGatherStages < total_steps) bar_arrive(kStageEmpty + stage, kGatherThreads);
     }
     // Outputs from the accumulators: a thread holds two rows per fragment (accumulator elements
-    // j with j / 2 even and odd), two adjacent columns per element pair. The routing-weight
+    // e with e / 2 even and odd), two adjacent columns per element pair. The routing-weight
     // gradient sums each row over its 4 threads' columns.
     const TileRowsOf<kGatherRows>& sl = slot[j % 2];
 #pragma unroll
@@ -912,7 +912,7 @@ DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
   const std::vector<int32_t> experts = tile_list(sel, TileField::kExpert), pairs = tile_list(sel, TileField::kPairTile);
   tile_expert = DeviceBuffer<int32_t>(experts);
   tile_first = DeviceBuffer<int32_t>(tile_list(sel, TileField::kFirst));
-  pair_tile = DeviceBuffer<int32_t>(pairs.empty() ? std::vector<int32_t>{0} : pairs);
+  pair_tile = DeviceBuffer<int32_t>(pairs);
   expert_begin = DeviceBuffer<int64_t>(sel.expert_begin);
   tiles = int32_t(experts.size());
   live_tiles = DeviceBuffer<int32_t>(std::vector<int32_t>{tiles});
