@@ -99,19 +99,19 @@ __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
 }
 
 // A tile's selections, looked up once into shared memory: input and output rows, the selection
-// itself (routing-weight gradients) and its routing weight. load_tile_rows returns how many rows
-// are live.
+// itself (routing-weight gradients) and its routing weight.
 template <int R>
 struct TileRowsOf {
   int32_t in[R], out[R], sel[R];
   float weight[R];
 };
 using TileRows = TileRowsOf<BM>;
-__device__ int load_tile_rows(TileRows& t, const CvmmPlan& plan, const float* weight, int tile, int& expert) {
-  expert = plan.tile_expert[tile];
-  const int first = plan.tile_first[tile];
-  const int rows = int(min64(BM, plan.expert_begin[expert + 1] - first));
-  for (int r = threadIdx.x; r < BM; r += blockDim.x) {
+// The R rows from position `first`, `rows` of them live, looked up by `threads` threads of which
+// this is `thread`.
+template <int R>
+__device__ __forceinline__ void look_up_rows(TileRowsOf<R>& t, const CvmmPlan& plan, const float* weight, int first,
+                                             int rows, int thread, int threads) {
+  for (int r = thread; r < R; r += threads) {
     const bool live = r < rows;
     const int s = live ? plan.by_expert[first + r] : -1;
     t.sel[r] = s;
@@ -119,6 +119,13 @@ __device__ int load_tile_rows(TileRows& t, const CvmmPlan& plan, const float* we
     t.out[r] = live ? plan.out_row[first + r] : -1;
     t.weight[r] = live && weight ? weight[s] : 1.f;
   }
+}
+// Plan tile `tile` into t by the whole block; returns how many rows are live.
+__device__ int load_tile_rows(TileRows& t, const CvmmPlan& plan, const float* weight, int tile, int& expert) {
+  expert = plan.tile_expert[tile];
+  const int first = plan.tile_first[tile];
+  const int rows = int(min64(BM, plan.expert_begin[expert + 1] - first));
+  look_up_rows(t, plan, weight, first, rows, threadIdx.x, blockDim.x);
   __syncthreads();
   return rows;
 }
@@ -637,14 +644,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
       const Pair p = pair_of(j);
       TileRowsOf<kGatherRows>& sl = slot[j % 2];
       if (j >= 2) bar_sync(kSlotFree + j % 2, kGatherThreads);  // pair j - 2's outputs are stored
-      for (int r = thread; r < kGatherRows; r += kGatherCopyThreads) {
-        const bool live = r < p.rows;
-        const int sel = live ? plan.by_expert[p.first + r] : -1;
-        sl.in[r] = live ? plan.in_row[p.first + r] : -1;
-        sl.out[r] = live ? plan.out_row[p.first + r] : -1;
-        sl.sel[r] = sel;
-        sl.weight[r] = live && a.weight ? a.weight[sel] : 1.f;
-      }
+      look_up_rows(sl, plan, a.weight, p.first, p.rows, thread, kGatherCopyThreads);
       bar_sync(kSlotWritten, kGatherCopyThreads);  // every copying thread gathers rows another one looked up
       for (int kt = 0; kt < steps; ++kt, ++g) {
         const int stage = g % kGatherStages;

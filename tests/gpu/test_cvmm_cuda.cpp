@@ -2,8 +2,8 @@
 // expert products of a σ-MoE layer, forward and backward, at several shapes, including widths
 // that are not multiples of 8, skewed routing and experts that receive nothing; the FFN's ReLU
 // options; the scatter product with a routing-weight gradient (the attention value experts'
-// input gradient). bf16 operands
-// are rounded once on the host and the reference computes on the same rounded values.
+// input gradient). bf16 operands are rounded once on the host and the reference computes on the
+// same rounded values.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
