@@ -581,8 +581,9 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 
-// cvmm_rows for the gathered products with stored outputs and one band (N = 128, K a multiple of
-// 64, 16-byte aligned rows and weights): the FFN's up product and its down input gradient. The
+// cvmm_rows for the gathered products of one band (N = 128, K a multiple of 64 above 128, 16-byte
+// aligned rows and weights), stored or added into fp32 rows: the FFN's up product and its down
+// input gradient, the attention's value product and output input gradient. The
 // per-tile kernel reads its expert's weight once per 128-row tile, half of what it moves through
 // L2 at 1B (393 KB per tile). A 256-row tile halves that, but at one block per SM the per-tile
 // kernel's step barriers go uncovered, and copying warps issuing every 16-byte copy could not
@@ -726,7 +727,8 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
         float v0 = w * acc[f][e], v1 = w * acc[f][e + 1];
         if (a.relu == Relu::kApply) v0 = fmaxf(v0, 0.f), v1 = fmaxf(v1, 0.f);
         if (masked) v0 = dot.x > 0.f ? v0 : 0.f, v1 = dot.y > 0.f ? v1 : 0.f;
-        *reinterpret_cast<__nv_bfloat162*>(a.out + at) = __floats2bfloat162_rn(v0, v1);
+        if (a.accumulate) atomicAdd(reinterpret_cast<float2*>(a.out_f32 + at), make_float2(v0, v1));
+        else *reinterpret_cast<__nv_bfloat162*>(a.out + at) = __floats2bfloat162_rn(v0, v1);
       }
       if (a.dweight) {
 #pragma unroll
@@ -1155,12 +1157,13 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
   if (plan.tiles == 0) return;
   if (a.accumulate ? !a.out_f32 : !a.out) throw std::invalid_argument("cvmm_rows: output buffer missing");
   // Scatters whose product is at most two slabs deep and whose rows take 16-byte additions go to
-  // the persistent scatter kernel; stored products of one band over whole 64-deep slabs, with
+  // the persistent scatter kernel; deeper products of one band over whole 64-deep slabs, with
   // 16-byte aligned rows, to the persistent gather kernel; the rest to the per-tile one.
   // (rows_addable with N as the band width too: every band but the last is 128 wide, and the
   // last is N mod 128, a multiple of 4 when N is.)
   const bool scatter = a.accumulate && a.K <= 2 * BK && rows_addable(a.out_f32, a.N, a.N);
-  const bool gather = !a.accumulate && a.N == BN && a.K % BK == 0 && vectorizable(a.X, a.K) && vectorizable(a.out, a.N) &&
+  const bool gather = a.N == BN && a.K % BK == 0 && vectorizable(a.X, a.K) &&
+                      (a.accumulate ? rows_addable(a.out_f32, a.N, a.N) : vectorizable(a.out, a.N)) &&
                       (!a.dot_rows || vectorizable(a.dot_rows, a.N)) && vectorizable(a.W, a.K);
   if (scatter) {
     if (a.transpose_w) launch_scatter<true>(plan, a, stream);

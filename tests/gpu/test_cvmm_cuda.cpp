@@ -128,6 +128,25 @@ void check(const Shape& s) {
     EXPECT_LE(rel_error(to_float(gdHout.download()), dH_ref), 1e-2) << "down: input gradient masked by the ReLU";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "down: routing-weight gradient on the ReLU's output";
   }
+  {  // Gathered, weighted and added into fp32 rows (the attention's value product and output
+     // input gradient have this shape, their rows being added into twice): Y[s] += w · X[t] ·
+     // keys_e, and dH[s] += w · dY[t] · values_eᵀ with its routing-weight gradient, onto non-zero
+     // outputs.
+    const auto y_init = random_bf16_values(sels * es, rng, 1.0);
+    std::vector<float> y_ref = y_init;
+    cvmm_forward(y_ref.data(), X.data(), Wk.data(), w.data(), up, d, es, ws);
+    DeviceBuffer<float> gy(y_init);
+    cuda::cvmm_rows(plan_up.view(), {gX.get(), keys, gw.get(), nullptr, gy.get(), nullptr, nullptr, d, es, false, true, sels},
+                    0);
+    EXPECT_LE(rel_error(gy.download(), y_ref), 1e-3) << "up, weighted, added into fp32 rows";
+    std::vector<float> dH_ref = y_init, dWv_ref(E * es * d, 0.f), dw_ref(sels);
+    cvmm_backward(dH_ref.data(), dWv_ref.data(), dw_ref.data(), dY.data(), H.data(), Wv.data(), w.data(), down, es, d, ws);
+    DeviceBuffer<float> gdH(y_init), gdw(std::vector<float>(sels, 0.f));
+    cuda::cvmm_rows(plan_down.view(true), {gdY.get(), values, gw.get(), nullptr, gdH.get(), gdw.get(), gH.get(), d, es, true,
+                                           true, sels}, 0);
+    EXPECT_LE(rel_error(gdH.download(), dH_ref), 1e-3) << "down: input gradient added into fp32 rows";
+    EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "down: routing-weight gradient, rows added into";
+  }
   {  // up backward: dX[t] += Σ dH[s] · keys_eᵀ, dKeys
     const auto dX_init = random_bf16_values(n * d, rng, 1.0), dWk_init = random_bf16_values(E * d * es, rng, 1.0);
     std::vector<float> dX_ref = dX_init, dWk_ref = dWk_init;
