@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# On a GPU host: an A/B measurement of a change in one call. Two variants run side by side,
+# alternating, so both see the same machine: the expert kernels at 16k tokens (moeut-bench-cvmm)
+# and the 1B step (moeut-bench), each `rounds` times. The tests of variant B run first.
+#   launch/gpu-compare.sh DIR_A DIR_B [FILTER]    two builds' binaries
+#   launch/gpu-compare.sh --env VAR DIR [FILTER]  one build, A with VAR=1 set, B without it
+# A DIR is a build folder (launch/build-gpu.sh) or one that launch/gpu-pack.sh filled with the
+# three binaries used here (two whole builds exceed what the device tool carries). FILTER: gtest
+# filter for the tests (default '*Cvmm*:*Plan*:*Model*'). ROUNDS (environment): alternations
+# (default 2). Logs under $OUT. Exit status: failed steps.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/moeut-gpu-compare}
+mkdir -p "$out"
+. "$root/launch/gpu-step.sh"
+step_tail=${step_tail:-12}
+if [ "${1:-}" = --env ]; then
+  var=$2 dir_a=$3 dir_b=$3 filter=${4:-}
+else
+  var='' dir_a=$1 dir_b=$2 filter=${3:-}
+fi
+filter=${filter:-'*Cvmm*:*Plan*:*Model*'}
+rounds=${ROUNDS:-2}
+# variant V PROGRAM ARGS...: PROGRAM from variant V's folder (a or b), with VAR=1 set for A in
+# the --env form and unset otherwise.
+variant() {
+  local v=$1 program=$2 dir=$dir_b path=''; shift 2
+  [ "$v" = a ] && dir=$dir_a
+  for sub in . tests launch; do [ -x "$dir/$sub/$program" ] && path=$dir/$sub/$program && break; done
+  [ -n "$path" ] || { echo "no $program in $dir" >&2; return 127; }
+  if [ -z "$var" ]; then "$path" "$@"
+  elif [ "$v" = a ]; then env "$var=1" "$path" "$@"
+  else env -u "$var" "$path" "$@"; fi
+}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+echo "A: ${var:+$var=1 }$dir_a | B: $dir_b | rounds $rounds"
+step tests_b variant b moeut_gpu_tests --gtest_filter="$filter"
+for r in $(seq "$rounds"); do
+  for v in a b; do
+    step "cvmm_${v}_$r" variant "$v" moeut-bench-cvmm 16384
+  done
+done
+for r in $(seq "$rounds"); do
+  for v in a b; do
+    step "bench_1B_${v}_$r" variant "$v" moeut-bench --config "$root/configs/1B.cfg" --batch 16
+  done
+done
+exit $failed
