@@ -15,6 +15,7 @@ out=${OUT:-/tmp/moeut-gpu-acceptance}
 scratch=${TMPDIR:-/tmp}/moeut-gpu-acceptance
 mkdir -p "$out" "$scratch"
 . "$root/launch/gpu-step.sh"
+show_source "$root/build-gpu" | tee "$out/source.txt"
 step_tail=4
 step tiny_train "$bin/moeut-train" --config "$root/configs/tiny.cfg" --train_data "$data/train.bin" \
   --val_data "$data/val.bin" --device cuda --out_weights "$scratch/tiny.h5" --metrics "$out/tiny.jsonl"

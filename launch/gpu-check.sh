@@ -9,6 +9,7 @@ mkdir -p "$out"
 . "$root/launch/gpu-step.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
+show_source "$bin" | tee -a "$out/gpu.txt"
 step gpu_tests "$bin/tests/moeut_gpu_tests"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # expert dispatch between two GPU ranks over NCCL
   step gpu_mpi_tests env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0 \

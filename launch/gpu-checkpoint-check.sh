@@ -9,6 +9,8 @@ out=${OUT:-/tmp/moeut-gpu-checkpoint}
 config=${1:-$root/configs/1B.cfg}
 dir=${2:-/tmp/moeut-checkpoints}
 mkdir -p "$out"
+. "$root/launch/gpu-step.sh"
+show_source "$root/build-gpu"
 rm -rf "$dir"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 common=(--config "$config" --train_data "$root/data/brown/train.bin" --val_data "$root/data/brown/val.bin"

@@ -34,6 +34,8 @@ variant() {
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 echo "A: ${var:+$var=1 }$dir_a | B: $dir_b | rounds $rounds"
+show_source "$dir_a"
+[ "$dir_b" = "$dir_a" ] || show_source "$dir_b"
 step tests_b variant b moeut_gpu_tests --gtest_filter="$filter"
 for r in $(seq "$rounds"); do
   for v in a b; do

@@ -14,6 +14,8 @@ shift $(( $# < 3 ? $# : 3 ))
 eps=("${@:-1 2}")
 read -r -a eps <<< "${eps[*]}"
 mkdir -p "$out"
+. "$root/launch/gpu-step.sh"
+show_source "$root/build-gpu"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 common=(--config "$config" --train_data "$root/data/brown/train.bin" --val_data "$root/data/brown/val.bin"
         --steps "$steps" --batch_size "$batch" --warmup_steps 100 --eval_every 0 --device cuda)

@@ -7,6 +7,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/moeut-kernel-metrics}
 mkdir -p "$out"
+. "$root/launch/gpu-step.sh"
+show_source "$root/build-gpu"
 tokens=${1:-16384}
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
 metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct

@@ -6,4 +6,4 @@
 set -euo pipefail
 build=$1 dest=$2
 mkdir -p "$dest"
-cp "$build/tests/moeut_gpu_tests" "$build/launch/moeut-bench-cvmm" "$build/launch/moeut-bench" "$dest/"
+cp "$build/tests/moeut_gpu_tests" "$build/launch/moeut-bench-cvmm" "$build/launch/moeut-bench" "$build/source.txt" "$dest/"

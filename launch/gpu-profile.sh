@@ -8,6 +8,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/moeut-gpu-profile}
 mkdir -p "$out"
+. "$root/launch/gpu-step.sh"
+show_source "$root/build-gpu"
 config=$1 batch=$2 layers=${3:-}
 name=$(basename "$config" .cfg)_b$batch${layers:+_l$layers}
 cfg=$out/$name.cfg

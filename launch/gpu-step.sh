@@ -2,6 +2,8 @@
 # $out/NAME.log, shows the log's last $step_tail lines (25 unless set) and counts failures in
 # $failed, which the script exits with.
 failed=0
+# show_source DIR: the commit DIR's binaries were built from (launch/build-gpu.sh writes it).
+show_source() { echo "binaries in $1: $(cat "$1/source.txt" 2>/dev/null || echo "no source.txt")"; }
 step() {
   local name=$1; shift
   echo "== $name: $*"
