@@ -16,7 +16,6 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABL
 common=(--config "$config" --train_data "$root/data/brown/train.bin" --val_data "$root/data/brown/val.bin"
         --batch_size 16 --micro_batch_size 8 --warmup_steps 100 --eval_every 0 --device cuda --ep 2
         --checkpoint_dir "$dir" --metrics "$out/checkpoint.jsonl" --out_weights "$out/weights.h5")
-failed=0
 for phase in "save --steps 2" "resume --steps 4 --resume latest"; do
   read -r name args <<< "$phase"
   echo "== $name: $args"

@@ -19,7 +19,6 @@ show_source "$root/build-gpu"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 common=(--config "$config" --train_data "$root/data/brown/train.bin" --val_data "$root/data/brown/val.bin"
         --steps "$steps" --batch_size "$batch" --warmup_steps 100 --eval_every 0 --device cuda)
-failed=0
 run() {  # run NAME NP EP MICRO
   local name=$1 np=$2 ep=$3 micro=$4
   echo "== $name: np $np, ep $ep, micro-batch $micro"
