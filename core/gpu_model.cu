@@ -315,7 +315,7 @@ void GpuModel::experts_forward(int64_t l, const bf16* X, const int32_t* index, c
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
   mark(Part::kExperts);
-  planner_->build(L.plan_ff, index, rows, 1, E, kf, cuda::CvmmRoute::kGatherToSelections, stream_);
+  planner_->build(L.plan_ff, index, rows, 1, E, kf, cuda::CvmmRoute::kGatherToPositions, stream_);
   cuda::cvmm_rows(L.plan_ff.view(), {X, wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr, nullptr, d, es,
                                       false, false, 0, cuda::CvmmRowsArgs::Relu::kApply}, stream_);
   cuda::cvmm_rows(L.plan_ff.view(true), {L.hidden.get(), wparam(p + "ffn.values"), weight, nullptr, out, nullptr,

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -760,10 +761,17 @@ constexpr int WM = 128, WN = 128, WS = 64;
 constexpr int kWeightGradTileGroup = 4;
 static_assert((WM + WN) * WS * 2 == kStageBytes, "weight-gradient stages share the row products' size");
 
+// kByTma: which operand comes by tensor copies (its rows are positions: one 64 x 64 box per slab
+// and step), 0 for none. The box's rows past the expert's end belong to the next expert (or lie
+// past the tensor, read as zeros); each thread zeroes its chunk of those rows once they land.
+enum WeightGradTma { kGatherBoth = 0, kTmaA = 1, kTmaB = 2 };
+template <int kByTma>
 __global__ void __launch_bounds__(kRowsThreads, 2)
-    cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a, int tile_group) {
+    cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a, int tile_group,
+                            const __grid_constant__ CUtensorMap by_position) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
+  __shared__ alignas(8) uint64_t full[kStages];  // the tensor copies of each stage
   const int64_t K = a.K, N = a.N;
   const int64_t n_tiles_n = (N + WN - 1) / WN, tiles = (K + WM - 1) / WM * n_tiles_n, E = a.n_experts;
   // Block b: tile `tile` of expert e, in groups of tile_group tiles of every expert (see
@@ -774,6 +782,11 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   const int64_t k0 = (tile / n_tiles_n) * WM, n0 = (tile % n_tiles_n) * WN;
   const int64_t begin = plan.expert_begin[e], end = plan.expert_begin[e + 1];
   if (begin == end) return;
+  if constexpr (kByTma != kGatherBoth) {
+    if (threadIdx.x < kStages) mbar_init(&full[threadIdx.x], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncthreads();
+  }
   const bool a_aligned = vectorizable(a.A, K), b_aligned = vectorizable(a.B, N);
   // This thread's copies in every step: chunk `chunk` (8 columns) of rows row0 + 16·i, i < 4,
   // of both operands; the 128 columns of a row are two slabs of 64.
@@ -808,19 +821,36 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   auto load = [&](int stage, int step) {
     unsigned char* as = smem + stage * kStageBytes;
     unsigned char* bs = as + WS * WM * 2;
+    if constexpr (kByTma != kGatherBoth) {
+      if (threadIdx.x == 0) {
+        mbar_expect_tx(&full[stage], 2 * kSlabBytes);
+        const int col0 = int(kByTma == kTmaA ? k0 : n0), row = int(begin) + step * WS;
+        for (int h = 0; h < 2; ++h)
+          tma_load_2d((kByTma == kTmaA ? as : bs) + h * kSlabBytes, &by_position, col0 + 64 * h, row, &full[stage]);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = row0 + 16 * i;
       const bool live = arow[i] >= 0;
-      load8(reinterpret_cast<bf16*>(as + chunk_offset(r)), a.A + max(arow[i], int64_t(0)) * K + k0 + chunk * 8,
-            live ? int(min64(8, K - (k0 + chunk * 8))) : 0, a_aligned);
-      load8(reinterpret_cast<bf16*>(bs + chunk_offset(r)), a.B + max(brow[i], int64_t(0)) * N + n0 + chunk * 8,
-            live ? int(min64(8, N - (n0 + chunk * 8))) : 0, b_aligned);
+      if (kByTma != kTmaA)
+        load8(reinterpret_cast<bf16*>(as + chunk_offset(r)), a.A + max(arow[i], int64_t(0)) * K + k0 + chunk * 8,
+              live ? int(min64(8, K - (k0 + chunk * 8))) : 0, a_aligned);
+      if (kByTma != kTmaB)
+        load8(reinterpret_cast<bf16*>(bs + chunk_offset(r)), a.B + max(brow[i], int64_t(0)) * N + n0 + chunk * 8,
+              live ? int(min64(8, N - (n0 + chunk * 8))) : 0, b_aligned);
       s_weight[stage][r] = w[i];
     }
     look_up(step + 1);
   };
-  auto landed = [&](int stage, int) {
+  auto landed = [&](int stage, int step) {
+    if constexpr (kByTma != kGatherBoth) {
+      mbar_wait(&full[stage], (step / kStages) % 2);
+      unsigned char* copied = smem + stage * kStageBytes + (kByTma == kTmaA ? 0 : WS * WM * 2);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (position(step, i) >= end) *reinterpret_cast<uint4*>(copied + chunk_offset(row0 + 16 * i)) = make_uint4(0, 0, 0, 0);
+    }
     if (!a.weight) return;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -903,13 +933,13 @@ std::vector<int32_t> tile_list(const CvmmSelection& sel, TileField field) {
 }  // namespace
 
 DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
-  std::vector<int32_t> in_by_position(sel.by_expert.size()), out_by_position(sel.by_expert.size());
+  std::vector<int32_t> in_by_position_rows(sel.by_expert.size()), out_by_position_rows(sel.by_expert.size());
   for (size_t p = 0; p < sel.by_expert.size(); ++p) {
-    in_by_position[p] = sel.in_row[size_t(sel.by_expert[p])];
-    out_by_position[p] = sel.out_row[size_t(sel.by_expert[p])];
+    in_by_position_rows[p] = sel.in_row[size_t(sel.by_expert[p])];
+    out_by_position_rows[p] = sel.out_row[size_t(sel.by_expert[p])];
   }
-  in_row = DeviceBuffer<int32_t>(in_by_position);
-  out_row = DeviceBuffer<int32_t>(out_by_position);
+  in_row = DeviceBuffer<int32_t>(in_by_position_rows);
+  out_row = DeviceBuffer<int32_t>(out_by_position_rows);
   by_expert = DeviceBuffer<int32_t>(sel.by_expert);
   const std::vector<int32_t> experts = tile_list(sel, TileField::kExpert), pairs = tile_list(sel, TileField::kPairTile);
   tile_expert = DeviceBuffer<int32_t>(experts);
@@ -919,12 +949,18 @@ DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
   tiles = int32_t(experts.size());
   live_tiles = DeviceBuffer<int32_t>(std::vector<int32_t>{tiles});
   live_pairs = DeviceBuffer<int32_t>(std::vector<int32_t>{int32_t(pairs.size())});
+  in_by_position = out_by_position = true;
+  for (size_t p = 0; p < sel.by_expert.size(); ++p) {
+    in_by_position &= in_by_position_rows[p] == int32_t(p);
+    out_by_position &= out_by_position_rows[p] == int32_t(p);
+  }
+  positions = int64_t(sel.by_expert.size());
 }
 
 CvmmPlan CvmmPlanBuffers::view(bool swapped) const {
   return {by_expert.get(), swapped ? out_row.get() : in_row.get(), swapped ? in_row.get() : out_row.get(),
           expert_begin.get(), tile_expert.get(), tile_first.get(), live_tiles.get(), pair_tile.get(), live_pairs.get(),
-          tiles};
+          tiles, swapped ? out_by_position : in_by_position, swapped ? in_by_position : out_by_position, positions};
 }
 
 namespace {
@@ -948,7 +984,7 @@ __global__ void rows_by_position(int32_t* in_row, int32_t* out_row, const int32_
   if (p >= n_sel) return;
   const int64_t i = by_expert[p], tg = i / k, t = tg / groups;  // i = (t·groups + g)·k + j
   in_row[p] = int32_t(route == CvmmRoute::kGroupRowsToTokens ? tg : t);
-  out_row[p] = int32_t(route == CvmmRoute::kGatherToGroupRows ? tg : route == CvmmRoute::kGatherToSelections ? i : t);
+  out_row[p] = int32_t(route == CvmmRoute::kGatherToGroupRows ? tg : route == CvmmRoute::kGatherToPositions ? p : t);
 }
 
 // Over the sorted keys: the lanes of a warp mostly share one expert, so one atomic per run of
@@ -1043,6 +1079,9 @@ void CvmmPlanner::build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, 
                                 " experts exceed the planned " + std::to_string(max_selections_) + " over " +
                                 std::to_string(max_experts_));
   plan.tiles = max_tiles(sels, experts);
+  plan.in_by_position = false;
+  plan.out_by_position = route == CvmmRoute::kGatherToPositions;
+  plan.positions = sels;
   MOEUT_CUDA_CHECK(cudaMemsetAsync(counts_.get(), 0, size_t(experts) * sizeof(int32_t), stream));
   if (sels > 0) {
     const unsigned blocks = unsigned((sels + 255) / 256);
@@ -1113,36 +1152,39 @@ void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t st
 // The expert weights as a 2D tensor for the gather kernel's weight slabs, 128-byte swizzled
 // boxes: [N][K] (kTransW) as rows of K with boxes of 128 rows x 64, [K][N] as rows of N with boxes
 // of 64 x 64. Made once per weight (the parameters do not move).
-CUtensorMap weight_map(const CvmmRowsArgs& a) {
-  struct Key {
-    const void* w;
-    int64_t K, N;
-    bool trans;
-    bool operator<(const Key& o) const { return std::tie(w, K, N, trans) < std::tie(o.w, o.K, o.N, o.trans); }
-  };
-  thread_local std::map<Key, CUtensorMap> maps;
-  const Key key{a.W, a.K, a.N, a.transpose_w};
-  if (auto it = maps.find(key); it != maps.end()) return it->second;
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
     MOEUT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
     if (!fn || found != cudaDriverEntryPointSuccess) throw std::runtime_error("cuTensorMapEncodeTiled not found");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
-  const cuuint64_t inner = cuuint64_t(a.transpose_w ? a.K : a.N);
-  // Rows: an upper bound on every expert's (the expert count is not passed). The bound only
-  // matters to boxes that cross the tensor's end, and every box lies inside one expert's weight.
-  const cuuint64_t dims[2] = {inner, cuuint64_t(1) << 30};
-  const cuuint64_t strides[1] = {inner * sizeof(bf16)};
-  const cuuint32_t box[2] = {64, cuuint32_t(a.transpose_w ? BN : BK)}, unit[2] = {1, 1};
+  return encode;
+}
+
+// A bf16 matrix [rows, width] in boxes of box_rows x 64 columns, 128-byte swizzle, made once per
+// matrix (the maps of the planned buffers are reused every step).
+CUtensorMap tensor_map(const bf16* base, int64_t width, int64_t rows, int box_rows) {
+  thread_local std::map<std::tuple<const void*, int64_t, int64_t, int>, CUtensorMap> maps;
+  const auto key = std::make_tuple(static_cast<const void*>(base), width, rows, box_rows);
+  if (auto it = maps.find(key); it != maps.end()) return it->second;
+  const cuuint64_t dims[2] = {cuuint64_t(width), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(width) * sizeof(bf16)};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, unit[2] = {1, 1};
   CUtensorMap map;
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(a.W), dims, strides, box, unit,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(base), dims, strides,
+                                          box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed: " + std::to_string(int(r)));
   maps.emplace(key, map);
   return map;
+}
+
+CUtensorMap weight_map(const CvmmRowsArgs& a) {
+  // Rows: an upper bound on every expert's (the expert count is not passed). The bound only
+  // matters to boxes that cross the tensor's end, and every box lies inside one expert's weight.
+  return tensor_map(a.W, a.transpose_w ? a.K : a.N, int64_t(1) << 30, a.transpose_w ? BN : BK);
 }
 
 template <bool kTransW>
@@ -1180,8 +1222,20 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
 
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {
   const int64_t tiles = ((a.K + WM - 1) / WM) * ((a.N + WN - 1) / WN);
-  launch_with_smem(cvmm_weight_grad_kernel, dim3(unsigned(tiles * a.n_experts)), kRowsThreads, kSmemBytes, stream, plan, a,
-                   kWeightGradTileGroup);
+  auto launch = [&](auto kernel, CUtensorMap map) {
+    launch_with_smem(kernel, dim3(unsigned(tiles * a.n_experts)), kRowsThreads, kSmemBytes, stream, plan, a,
+                     kWeightGradTileGroup, map);
+  };
+  // An operand whose rows are positions (the FFN's hidden rows) comes by tensor copies.
+  static const bool gather_both = std::getenv("MOEUT_DW_GATHER_BOTH") != nullptr;  // A/B switch while measuring
+  const bool a_by_position = a.a_by_in_row ? plan.in_by_position : plan.out_by_position;
+  const bool b_by_position = a.a_by_in_row ? plan.out_by_position : plan.in_by_position;
+  if (!gather_both && plan.positions > 0 && a_by_position && vectorizable(a.A, a.K))
+    launch(cvmm_weight_grad_kernel<kTmaA>, tensor_map(a.A, a.K, plan.positions, WS));
+  else if (!gather_both && plan.positions > 0 && b_by_position && vectorizable(a.B, a.N))
+    launch(cvmm_weight_grad_kernel<kTmaB>, tensor_map(a.B, a.N, plan.positions, WS));
+  else
+    launch(cvmm_weight_grad_kernel<kGatherBoth>, CUtensorMap{});
 }
 
 }  // namespace moeut::cuda

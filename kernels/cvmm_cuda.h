@@ -31,6 +31,11 @@ struct CvmmPlan {
   const int32_t* pair_tile;     // [tiles], *live_pairs used
   const int32_t* live_pairs;    // [1]
   int32_t tiles;
+  // Rows that equal their position (in_row[p] == p, or out_row[p] == p) for every live position
+  // below `positions`: such an operand's rows of one expert are one contiguous run, which the
+  // weight gradient brings by tensor copies instead of gathering.
+  bool in_by_position = false, out_by_position = false;
+  int64_t positions = 0;
 };
 inline constexpr int kCvmmTileRows = 128;
 
@@ -77,6 +82,8 @@ struct CvmmPlanBuffers {
   DeviceBuffer<int32_t> in_row, out_row, by_expert, tile_expert, tile_first, live_tiles, pair_tile, live_pairs;
   DeviceBuffer<int64_t> expert_begin;
   int32_t tiles = 0;
+  bool in_by_position = false, out_by_position = false;  // see CvmmPlan
+  int64_t positions = 0;
   CvmmPlan view(bool swapped = false) const;
 };
 
@@ -90,7 +97,9 @@ struct DeviceCvmmPlan : CvmmPlanBuffers {
 enum class CvmmRoute {
   kGatherToGroupRows,    // in: token row t; out: group row t·groups + g (attention value experts)
   kGroupRowsToTokens,    // in: group row t·groups + g; out: token row t (attention output experts)
-  kGatherToSelections,   // in: token row t; out: selection row i (FFN keys; values use it swapped)
+  // in: token row t; out: the selection's position in expert order (FFN keys; values use it
+  // swapped), so the hidden rows of one expert are contiguous.
+  kGatherToPositions,
 };
 
 // Builds plans on the device from top-k indices: a stable radix sort of (expert, selection)

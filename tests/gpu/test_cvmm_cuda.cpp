@@ -26,6 +26,10 @@ struct Shape {
   bool skewed;      // every token picks among the first quarter of the experts
   bool misaligned;  // expert weights start 8 bytes past a 16-byte boundary, as they may inside
                     // the parameter buffer
+  // The up product's outputs (hidden rows) at the selections' positions in expert order, as the
+  // model stores them, so the weight gradients take them by tensor copies; else at the
+  // selections' own rows, gathered.
+  bool by_position = false;
 };
 
 // A device copy of v whose first element sits `pad` elements into the allocation.
@@ -40,7 +44,7 @@ std::pair<DeviceBuffer<bf16>, const bf16*> placed(const std::vector<float>& v, s
 void check(const Shape& s) {
   SCOPED_TRACE("tokens " + std::to_string(s.tokens) + " experts " + std::to_string(s.experts) + " k " +
                std::to_string(s.k) + " d " + std::to_string(s.d) + " es " + std::to_string(s.es) +
-               (s.skewed ? " skewed" : "") + (s.misaligned ? " misaligned" : ""));
+               (s.skewed ? " skewed" : "") + (s.misaligned ? " misaligned" : "") + (s.by_position ? " by position" : ""));
   Rng rng{uint64_t(s.tokens * 131 + s.d)};
   const int64_t n = s.tokens, k = s.k, d = s.d, es = s.es, E = s.experts, sels = n * k;
   const int64_t pool = s.skewed ? std::max<int64_t>(k, E / 4) : E;
@@ -63,6 +67,8 @@ void check(const Shape& s) {
       w[i] = float(rng.uniform());
     }
   up.group(E);
+  if (s.by_position)
+    for (int64_t i = 0; i < sels; ++i) up.out_row[size_t(i)] = up.position[size_t(i)];
   down = up;
   std::swap(down.in_row, down.out_row);
   const cuda::DeviceCvmmPlan plan_up(up), plan_down(down);
@@ -177,17 +183,20 @@ void check(const Shape& s) {
 }
 
 TEST_F(GpuTest, CvmmMatchesTheCpuReference) {
-  for (const Shape& s : {Shape{300, 12, 3, 64, 32, false, false}, Shape{517, 40, 4, 412, 128, true, false},  // 44M d
-                         Shape{200, 24, 2, 82, 96, false, false},                                              // 44M dh
-                         Shape{333, 20, 4, 320, 64, false, false},  // three column tiles, the last partial
-                         Shape{300, 12, 3, 64, 32, false, true}, Shape{2048, 565, 24, 1536, 128, false, false},
+  for (const Shape& s : {Shape{300, 12, 3, 64, 32, false, false}, Shape{517, 40, 4, 412, 128, true, false, true},  // 44M d
+                         Shape{200, 24, 2, 82, 96, false, false},                                                    // 44M dh
+                         Shape{333, 20, 4, 320, 64, false, false, true},  // three column tiles, the last partial
+                         Shape{300, 12, 3, 64, 32, false, true}, Shape{2048, 565, 24, 1536, 128, false, false, true},
                          Shape{1024, 565, 24, 1536, 128, true, false},
-                         Shape{300, 16, 4, 256, 192, false, false}})  // scatters deeper than 128: the general kernel
+                         Shape{300, 16, 4, 256, 192, false, false, true}})  // scatters deeper than 128: the general kernel
     check(s);
 }
 
 // Expert parallelism hands the planner selections whose expert lives on another rank (index
 // -1): the device-built plan must leave exactly those out, and compute the rest as the reference.
+// The FFN's hidden rows are written at the selections' positions in expert order, so the live
+// ones fill the first rows and the rest of the buffer is left as it was. The weight gradient that
+// takes those rows by tensor copies must not let the rows past them in.
 TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
   const int64_t n = 700, k = 6, E = 40, d = 128, es = 64, sels = n * k;
   Rng rng{11};
@@ -198,36 +207,43 @@ TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
     if (index[i] < 0) continue;
     mine.expert.push_back(index[i]);
     mine.in_row.push_back(int32_t(i / k));
-    mine.out_row.push_back(int32_t(i));
   }
+  const int64_t live = mine.size();
+  mine.out_row.assign(size_t(live), 0);
   mine.group(E);
+  // The device plan sorts (expert, selection) stably and puts other ranks' selections last, so a
+  // live selection's position there is its position here.
+  for (int64_t q = 0; q < live; ++q) mine.out_row[size_t(q)] = mine.position[size_t(q)];
   const auto X = random_bf16_values(n * d, rng, 1.0), W = random_bf16_values(E * d * es, rng, 0.05);
-  std::vector<float> ref(size_t(sels * es), 0.f);
+  std::vector<float> ref(size_t(live * es), 0.f);
   CvmmWorkspace<float> ws;
   cvmm_forward(ref.data(), X.data(), W.data(), static_cast<const float*>(nullptr), mine, d, es, ws);
 
   cuda::CvmmPlanner planner(sels, E);
   cuda::CvmmPlanBuffers plan = planner.make_buffers();
   const DeviceBuffer<int32_t> gindex(index);
-  planner.build(plan, gindex.get(), n, 1, E, k, cuda::CvmmRoute::kGatherToSelections, 0);
+  planner.build(plan, gindex.get(), n, 1, E, k, cuda::CvmmRoute::kGatherToPositions, 0);
   const DeviceBuffer<bf16> gX(to_bf16(X)), gW(to_bf16(W));
-  DeviceBuffer<bf16> out(std::vector<bf16>(size_t(sels * es), __float2bfloat16(NAN)));
-  cuda::cvmm_rows(plan.view(), {gX.get(), gW.get(), nullptr, out.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0);
-  const std::vector<float> got = to_float(out.download());
-  std::vector<float> got_mine, ref_mine;
-  int64_t untouched = 0;
-  for (int64_t i = 0; i < sels; ++i)
-    for (int64_t c = 0; c < es; ++c) {
-      const float v = got[size_t(i * es + c)];
-      if (index[i] < 0) {
-        untouched += std::isnan(v);
-      } else {
-        got_mine.push_back(v);
-        ref_mine.push_back(ref[size_t(i * es + c)]);
-      }
-    }
-  EXPECT_EQ(untouched, (sels - int64_t(mine.expert.size())) * es) << "rows of other ranks' selections were written";
-  EXPECT_LE(rel_error(got_mine, ref_mine), 1e-2);
+  DeviceBuffer<bf16> hidden(std::vector<bf16>(size_t(sels * es), __float2bfloat16(NAN)));
+  cuda::cvmm_rows(plan.view(), {gX.get(), gW.get(), nullptr, hidden.get(), nullptr, nullptr, nullptr, d, es, false, false},
+                  0);
+  const std::vector<float> got = to_float(hidden.download());
+  const std::vector<float> got_live(got.begin(), got.begin() + live * es);
+  const int64_t untouched = std::count_if(got.begin() + live * es, got.end(), [](float v) { return std::isnan(v); });
+  EXPECT_EQ(untouched, (sels - live) * es) << "rows past the live positions were written";
+  EXPECT_LE(rel_error(got_live, ref), 1e-2);
+
+  // dW_e = Σ hidden[position]ᵀ · dY[token]: hidden by tensor copies, NaN past the live rows.
+  CvmmSelection back = mine;
+  std::swap(back.in_row, back.out_row);
+  const auto dY = random_bf16_values(n * d, rng, 1.0), Wv = random_bf16_values(E * es * d, rng, 0.05);
+  std::vector<float> dH(size_t(live * es), 0.f), dW_ref(size_t(E * es * d), 0.f);
+  cvmm_backward(dH.data(), dW_ref.data(), static_cast<float*>(nullptr), dY.data(), got_live.data(), Wv.data(),
+                static_cast<const float*>(nullptr), back, es, d, ws);
+  const DeviceBuffer<bf16> gdY(to_bf16(dY));
+  DeviceBuffer<float> gdW(std::vector<float>(size_t(E * es * d), 0.f));
+  cuda::cvmm_weight_grad(plan.view(true), {hidden.get(), gdY.get(), nullptr, true, gdW.get(), es, d, E}, 0);
+  EXPECT_LE(rel_error(gdW.download(), dW_ref), 1e-2) << "weight gradient over hidden rows by position";
 }
 
 }  // namespace
