@@ -1149,9 +1149,7 @@ void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t st
                    kScatterSmemBytes, stream, plan, a, group);
 }
 
-// The expert weights as a 2D tensor for the gather kernel's weight slabs, 128-byte swizzled
-// boxes: [N][K] (kTransW) as rows of K with boxes of 128 rows x 64, [K][N] as rows of N with boxes
-// of 64 x 64. Made once per weight (the parameters do not move).
+// cuTensorMapEncodeTiled, from the driver (the runtime does not link it).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
@@ -1163,12 +1161,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// A bf16 matrix [rows, width] in boxes of box_rows x 64 columns, 128-byte swizzle, made once per
-// matrix (the maps of the planned buffers are reused every step).
+// A bf16 matrix [rows, width] in boxes of box_rows x 64 columns, 128-byte swizzle.
 CUtensorMap tensor_map(const bf16* base, int64_t width, int64_t rows, int box_rows) {
-  thread_local std::map<std::tuple<const void*, int64_t, int64_t, int>, CUtensorMap> maps;
-  const auto key = std::make_tuple(static_cast<const void*>(base), width, rows, box_rows);
-  if (auto it = maps.find(key); it != maps.end()) return it->second;
   const cuuint64_t dims[2] = {cuuint64_t(width), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(width) * sizeof(bf16)};
   const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, unit[2] = {1, 1};
@@ -1177,14 +1171,21 @@ CUtensorMap tensor_map(const bf16* base, int64_t width, int64_t rows, int box_ro
                                           box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed: " + std::to_string(int(r)));
-  maps.emplace(key, map);
   return map;
 }
 
+// The expert weights as a 2D tensor for the gather kernel's weight slabs, 128-byte swizzled
+// boxes: [N][K] (kTransW) as rows of K with boxes of 128 rows x 64, [K][N] as rows of N with boxes
+// of 64 x 64. Made once per weight (the parameters do not move).
 CUtensorMap weight_map(const CvmmRowsArgs& a) {
+  thread_local std::map<std::tuple<const void*, int64_t, int64_t, bool>, CUtensorMap> maps;
+  const auto key = std::make_tuple(static_cast<const void*>(a.W), a.K, a.N, a.transpose_w);
+  if (auto it = maps.find(key); it != maps.end()) return it->second;
   // Rows: an upper bound on every expert's (the expert count is not passed). The bound only
   // matters to boxes that cross the tensor's end, and every box lies inside one expert's weight.
-  return tensor_map(a.W, a.transpose_w ? a.K : a.N, int64_t(1) << 30, a.transpose_w ? BN : BK);
+  const CUtensorMap map = tensor_map(a.W, a.transpose_w ? a.K : a.N, int64_t(1) << 30, a.transpose_w ? BN : BK);
+  maps.emplace(key, map);
+  return map;
 }
 
 template <bool kTransW>
@@ -1226,7 +1227,8 @@ void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStr
     launch_with_smem(kernel, dim3(unsigned(tiles * a.n_experts)), kRowsThreads, kSmemBytes, stream, plan, a,
                      kWeightGradTileGroup, map);
   };
-  // An operand whose rows are positions (the FFN's hidden rows) comes by tensor copies.
+  // An operand whose rows are positions (the FFN's hidden rows) comes by tensor copies. Its map
+  // is made per call: the live positions change with every routing (a few microseconds).
   static const bool gather_both = std::getenv("MOEUT_DW_GATHER_BOTH") != nullptr;  // A/B switch while measuring
   const bool a_by_position = a.a_by_in_row ? plan.in_by_position : plan.out_by_position;
   const bool b_by_position = a.a_by_in_row ? plan.out_by_position : plan.in_by_position;
