@@ -55,12 +55,16 @@ __global__ void causal_softmax_backward(bf16* P_then_dS, const float* dP, int64_
 }
 
 // ---- Flash-style forward: no T×T scores in memory ----
-// One block: 64 query rows of one (sequence, head), 4 warps of 16 rows, keys taken 64 at a time
-// (causal: only tiles at or below the diagonal). Per tile: S = Q Kᵀ on mma.sync m16n8k16, an
-// online softmax in registers (running max and sum per row), P rounded to bf16 and O += P V.
+// One block: 128 query rows of one (sequence, head), 8 warps of 16 rows, keys taken 64 at a time
+// (causal: only tiles at or below the diagonal; a warp skips a tile that is all above its rows).
+// Per tile: S = Q Kᵀ on mma.sync m16n8k16, an online softmax in registers (running max and sum
+// per row), P rounded to bf16 and O += P V. 128 rows per block read each key tile once for twice
+// the rows of a 64-row block, and two such blocks per SM keep 16 warps in flight.
 // kD: the head size padded to a multiple of 16 (zeros in the padding). Shared memory rows are
 // padded by 8 elements so ldmatrix's 8 row addresses fall in different banks.
-constexpr int kFlashRows = 64, kFlashThreads = 128;
+// kFlashBlockRows: the rows a block owns (queries in the forward pass, keys in the backward);
+// kFlashTileRows: the rows of the tiles it streams past them.
+constexpr int kFlashBlockRows = 128, kFlashTileRows = 64, kFlashThreads = 256;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
@@ -83,12 +87,12 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Rows [row0, row0 + 64) of one head ([T] rows, `ld` elements apart, dh used) into smem rows of
-// kD + 8, zeros past dh and past T; 16-byte copies when rows allow them.
-template <int kD>
+// Rows [row0, row0 + kRows) of one head ([T] rows, `ld` elements apart, dh used) into smem rows
+// of kD + 8, zeros past dh and past T; 16-byte copies when rows allow them.
+template <int kD, int kRows>
 __device__ void load_head_tile(bf16* dst, const bf16* src, int64_t ld, int row0, int T, int dh, bool vec) {
   constexpr int kStride = kD + 8, kChunks = kD / 8;
-  for (int c = threadIdx.x; c < kFlashRows * kChunks; c += kFlashThreads) {
+  for (int c = threadIdx.x; c < kRows * kChunks; c += kFlashThreads) {
     const int r = c / kChunks, d0 = (c % kChunks) * 8;
     bf16* to = dst + r * kStride + d0;
     const bf16* from = src + int64_t(row0 + r) * ld + d0;
@@ -105,8 +109,8 @@ __device__ void load_head_tile(bf16* dst, const bf16* src, int64_t ld, int row0,
 // The flash kernels' block order, over a 1D grid of tiles x (batch, head) blocks. Causal tiles
 // differ in length up to `tiles` times, so within each chunk of kChunkHeads (batch, head) pairs
 // every pair's longest tile goes first and the short ones fill the chunk's last wave (rank 0: the
-// longest). A chunk (256 blocks at T 1024, about one wave) reads the rows of its pairs only, so
-// they stay in L2 while it runs.
+// longest). A chunk (128 blocks at T 1024: a wave of the backward kernel, half of the
+// forward's) reads the rows of its pairs only, so they stay in L2 while it runs.
 constexpr int kChunkHeads = 16;
 struct FlashBlock {
   int rank, bh;
@@ -117,48 +121,53 @@ __device__ __forceinline__ FlashBlock flash_block(int tiles, int heads) {
   return {rem / in_chunk, chunk * kChunkHeads + rem % in_chunk};
 }
 __host__ inline unsigned flash_blocks(int64_t B, int64_t T, int64_t H) {
-  return unsigned((T + kFlashRows - 1) / kFlashRows * B * H);
+  return unsigned((T + kFlashBlockRows - 1) / kFlashBlockRows * B * H);
 }
 
 template <int kD>
-__global__ void __launch_bounds__(kFlashThreads) flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k,
-                                                                const bf16* v, int T, int H, int dh) {
-  constexpr int kStride = kD + 8, kTile = kFlashRows * kStride;
+__global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k,
+                                                                   const bf16* v, int T, int H, int dh) {
+  constexpr int kStride = kD + 8, kTile = kFlashTileRows * kStride;
   extern __shared__ __align__(16) unsigned char flash_smem[];
-  bf16* Qs = reinterpret_cast<bf16*>(flash_smem);  // [64][kStride]
-  bf16* Ks = Qs + kTile;                            // [2][64][kStride]
-  bf16* Vs = Ks + 2 * kTile;                        // [2][64][kStride]
-  const int tiles = (T + kFlashRows - 1) / kFlashRows;
+  bf16* Qs = reinterpret_cast<bf16*>(flash_smem);    // [128][kStride]
+  bf16* Ks = Qs + kFlashBlockRows * kStride;          // [2][64][kStride]
+  bf16* Vs = Ks + 2 * kTile;                          // [2][64][kStride]
+  const int tiles = (T + kFlashBlockRows - 1) / kFlashBlockRows;
   const FlashBlock blk = flash_block(tiles, int(gridDim.x) / tiles);
   const int qt = tiles - 1 - blk.rank;  // the last query tile attends to the most keys
   const int bh = blk.bh, b = bh / H, h = bh % H;
   const int64_t ld = int64_t(H) * dh, base = int64_t(b) * T * ld + int64_t(h) * dh;
   const bool vec = dh % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(q + base) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(k + base) % 16 == 0 && reinterpret_cast<uintptr_t>(v + base) % 16 == 0;
-  const int q0 = qt * kFlashRows;
+  const int q0 = qt * kFlashBlockRows;
+  const int last_kt = min(T - 1, q0 + kFlashBlockRows - 1) / kFlashTileRows;  // the block's last key tile
 
-  load_head_tile<kD>(Qs, q + base, ld, q0, T, dh, vec);
-  load_head_tile<kD>(Ks, k + base, ld, 0, T, dh, vec);
-  load_head_tile<kD>(Vs, v + base, ld, 0, T, dh, vec);
+  load_head_tile<kD, kFlashBlockRows>(Qs, q + base, ld, q0, T, dh, vec);
+  load_head_tile<kD, kFlashTileRows>(Ks, k + base, ld, 0, T, dh, vec);
+  load_head_tile<kD, kFlashTileRows>(Vs, v + base, ld, 0, T, dh, vec);
   asm volatile("cp.async.commit_group;\n" ::);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;  // this thread's two query rows
+  const int warp_row0 = q0 + warp * 16, row_a = warp_row0 + g, row_b = row_a + 8;  // this thread's two query rows
   constexpr float kLog2e = 1.4426950408889634f;
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
   float o[kD / 8][4];
 #pragma unroll
   for (auto& t : o) t[0] = t[1] = t[2] = t[3] = 0.f;
 
-  for (int kt = 0; kt <= qt; ++kt) {
-    const int buf = kt & 1;
-    if (kt < qt) {  // the next key tile streams in while this one is used
-      load_head_tile<kD>(Ks + (buf ^ 1) * kTile, k + base, ld, (kt + 1) * kFlashRows, T, dh, vec);
-      load_head_tile<kD>(Vs + (buf ^ 1) * kTile, v + base, ld, (kt + 1) * kFlashRows, T, dh, vec);
+  for (int kt = 0; kt <= last_kt; ++kt) {
+    const int buf = kt & 1, key0 = kt * kFlashTileRows;
+    if (kt < last_kt) {  // the next key tile streams in while this one is used
+      load_head_tile<kD, kFlashTileRows>(Ks + (buf ^ 1) * kTile, k + base, ld, key0 + kFlashTileRows, T, dh, vec);
+      load_head_tile<kD, kFlashTileRows>(Vs + (buf ^ 1) * kTile, v + base, ld, key0 + kFlashTileRows, T, dh, vec);
     }
     asm volatile("cp.async.commit_group;\n" ::);
     asm volatile("cp.async.wait_group 1;\n" ::);
     __syncthreads();
+    if (key0 > warp_row0 + 15) {  // every key of the tile is after every row of this warp
+      __syncthreads();                // (the barrier that ends the other path)
+      continue;
+    }
     const bf16* Kt = Ks + buf * kTile;
     const bf16* Vt = Vs + buf * kTile;
 
@@ -178,14 +187,15 @@ __global__ void __launch_bounds__(kFlashThreads) flash_forward(bf16* out, float*
         mma_16816(s[j + 1], a, bk[2], bk[3]);
       }
     }
-    // Causal mask on the diagonal tile; scores to base 2.
+    // Causal mask where the tile crosses the warp's diagonal; scores to base 2.
+    const bool diagonal = key0 + kFlashTileRows - 1 > warp_row0;
     float mx_a = m_a, mx_b = m_b;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = kt * kFlashRows + j * 8 + 2 * c + (e % 2), row = e < 2 ? row_a : row_b;
-        s[j][e] = key <= row ? s[j][e] * kLog2e : -INFINITY;
+        const int key = key0 + j * 8 + 2 * c + (e % 2), row = e < 2 ? row_a : row_b;
+        s[j][e] = !diagonal || key <= row ? s[j][e] * kLog2e : -INFINITY;
         if (e < 2) mx_a = fmaxf(mx_a, s[j][e]);
         else mx_b = fmaxf(mx_b, s[j][e]);
       }
@@ -194,8 +204,8 @@ __global__ void __launch_bounds__(kFlashThreads) flash_forward(bf16* out, float*
       mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
       mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
     }
-    // Every row sees key 0 of the first tile (and key q0 of the diagonal one), so the running max
-    // is finite from the first tile on; the first correction is exp2(-inf) = 0.
+    // Every row sees key 0 of the first tile, so the running max is finite from the first tile
+    // on; the first correction is exp2(-inf) = 0.
     const float corr_a = exp2f(m_a - mx_a), corr_b = exp2f(m_b - mx_b);
     m_a = mx_a, m_b = mx_b;
     float sum_a = 0.f, sum_b = 0.f;
@@ -278,141 +288,155 @@ __global__ void flash_dq_to_bf16(bf16* dq, const float* acc, int64_t rows, int h
   }
 }
 
-// One block: 64 keys of one (sequence, head), 4 warps of 16 keys, dK and dV accumulated in
-// registers over the query tiles at and below the diagonal. Per query tile: Sᵀ = K Qᵀ,
-// Pᵀ = exp2(Sᵀ - lse), dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - D), dK += dSᵀ Q; dSᵀ goes
-// through shared memory for dQ += dS K, which is added into an fp32 accumulator atomically
-// (every key tile adds to the same query rows). dk: rows grad_ld apart, times grad_scale.
+// One block: 128 keys of one (sequence, head), 8 warps of 16 keys, dK and dV accumulated in
+// registers over the 64-row query tiles at and below the diagonal (a warp whose keys all come
+// after a tile's queries skips it). Per query tile: Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ - lse),
+// dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - D), dK += dSᵀ Q; dSᵀ goes through shared memory for
+// dQ += dS K (each warp 16 queries x half the head dims, over the live keys), which is added into
+// an fp32 accumulator atomically (every key tile adds to the same query rows): 128 keys per block
+// halve those additions against 64. dk: rows grad_ld apart, times grad_scale.
 template <int kD>
 __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout,
                                                                  const float* lse, const float* D, const bf16* q,
                                                                  const bf16* k, const bf16* v, int T, int H, int dh,
                                                                  int64_t grad_ld, float grad_scale) {
-  constexpr int kStride = kD + 8, kTile = kFlashRows * kStride, kSStride = kFlashRows + 8;
+  constexpr int kStride = kD + 8, kTile = kFlashTileRows * kStride, kSStride = kFlashTileRows + 8;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(16) unsigned char flash_smem[];
-  bf16* Ks = reinterpret_cast<bf16*>(flash_smem);  // [64][kStride]
-  bf16* Vs = Ks + kTile;                            // [64][kStride]
-  bf16* Qs = Vs + kTile;                            // [2][64][kStride]
+  bf16* Ks = reinterpret_cast<bf16*>(flash_smem);  // [128][kStride]
+  bf16* Vs = Ks + kFlashBlockRows * kStride;        // [128][kStride]
+  bf16* Qs = Vs + kFlashBlockRows * kStride;        // [2][64][kStride]
   bf16* dOs = Qs + 2 * kTile;                       // [2][64][kStride]
-  bf16* dSs = dOs + 2 * kTile;                      // [64 keys][kSStride]
-  float* Ls = reinterpret_cast<float*>(dSs + kFlashRows * kSStride);  // [2][64]
-  float* Ds = Ls + 2 * kFlashRows;                                    // [2][64]
+  bf16* dSs = dOs + 2 * kTile;                      // [128 keys][kSStride]
+  float* Ls = reinterpret_cast<float*>(dSs + kFlashBlockRows * kSStride);  // [2][64]
+  float* Ds = Ls + 2 * kFlashTileRows;                                     // [2][64]
 
-  const int tiles = (T + kFlashRows - 1) / kFlashRows;
-  const FlashBlock blk = flash_block(tiles, int(gridDim.x) / tiles);
+  const int key_tiles = (T + kFlashBlockRows - 1) / kFlashBlockRows, tiles = (T + kFlashTileRows - 1) / kFlashTileRows;
+  const FlashBlock blk = flash_block(key_tiles, int(gridDim.x) / key_tiles);
   const int kt = blk.rank, bh = blk.bh, b = bh / H, h = bh % H;  // the first key tile meets the most queries
   const int64_t ld = int64_t(H) * dh, base = int64_t(b) * T * ld + int64_t(h) * dh;
   const bool vec = dh % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(q + base) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(k + base) % 16 == 0 && reinterpret_cast<uintptr_t>(v + base) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(dout + base) % 16 == 0;
   const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
-  const int k0 = kt * kFlashRows;
+  const int k0 = kt * kFlashBlockRows, first_qt = k0 / kFlashTileRows;
   auto load_query_tile = [&](int buf, int qt) {
-    load_head_tile<kD>(Qs + buf * kTile, q + base, ld, qt * kFlashRows, T, dh, vec);
-    load_head_tile<kD>(dOs + buf * kTile, dout + base, ld, qt * kFlashRows, T, dh, vec);
-    for (int r = threadIdx.x; r < kFlashRows; r += kFlashThreads) {  // rows past T: finite, contribute 0
-      const int t = qt * kFlashRows + r;
-      Ls[buf * kFlashRows + r] = t < T ? lse[int64_t(bh) * T + t] : 0.f;
-      Ds[buf * kFlashRows + r] = t < T ? D[int64_t(bh) * T + t] : 0.f;
+    load_head_tile<kD, kFlashTileRows>(Qs + buf * kTile, q + base, ld, qt * kFlashTileRows, T, dh, vec);
+    load_head_tile<kD, kFlashTileRows>(dOs + buf * kTile, dout + base, ld, qt * kFlashTileRows, T, dh, vec);
+    for (int r = threadIdx.x; r < kFlashTileRows; r += kFlashThreads) {  // rows past T: finite, contribute 0
+      const int t = qt * kFlashTileRows + r;
+      Ls[buf * kFlashTileRows + r] = t < T ? lse[int64_t(bh) * T + t] : 0.f;
+      Ds[buf * kFlashTileRows + r] = t < T ? D[int64_t(bh) * T + t] : 0.f;
     }
   };
-  load_head_tile<kD>(Ks, k + base, ld, k0, T, dh, vec);
-  load_head_tile<kD>(Vs, v + base, ld, k0, T, dh, vec);
-  load_query_tile(0, kt);
+  load_head_tile<kD, kFlashBlockRows>(Ks, k + base, ld, k0, T, dh, vec);
+  load_head_tile<kD, kFlashBlockRows>(Vs, v + base, ld, k0, T, dh, vec);
+  load_query_tile(0, first_qt);
   asm volatile("cp.async.commit_group;\n" ::);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;  // this thread's two keys
+  const int warp_key0 = k0 + warp * 16, key_a = warp_key0 + g, key_b = key_a + 8;  // this thread's two keys
   float dk_acc[kD / 8][4], dv_acc[kD / 8][4];
 #pragma unroll
   for (int n = 0; n < kD / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.f;
 
-  for (int qt = kt; qt < tiles; ++qt) {
-    const int buf = (qt - kt) & 1;
+  for (int qt = first_qt; qt < tiles; ++qt) {
+    const int buf = (qt - first_qt) & 1, query0 = qt * kFlashTileRows, query_last = query0 + kFlashTileRows - 1;
     if (qt + 1 < tiles) load_query_tile(buf ^ 1, qt + 1);
     asm volatile("cp.async.commit_group;\n" ::);
     asm volatile("cp.async.wait_group 1;\n" ::);
     __syncthreads();
     const bf16* Qt = Qs + buf * kTile;
     const bf16* dOt = dOs + buf * kTile;
-    const float* Lt = Ls + buf * kFlashRows;
-    const float* Dt = Ds + buf * kFlashRows;
-
-    // Sᵀ (16 keys x 64 queries per warp) and dPᵀ = V dOᵀ, both over the head dims.
-    float p[8][4], dp[8][4];
+    const float* Lt = Ls + buf * kFlashTileRows;
+    const float* Dt = Ds + buf * kFlashTileRows;
+    // Warps 0 .. live_warps - 1 hold keys that some query of this tile sees (at least half of
+    // them: the first query tile starts at the block's first key).
+    const int live_warps = min(kFlashThreads / 32, (query_last - k0) / 16 + 1);
+    if (warp < live_warps) {
+      // Sᵀ (16 keys x 64 queries per warp) and dPᵀ = V dOᵀ, both over the head dims.
+      float p[8][4], dp[8][4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) p[j][e] = dp[j][e] = 0.f;
+        for (int e = 0; e < 4; ++e) p[j][e] = dp[j][e] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t ak[4], av[4];
-      ldmatrix_x4(ak, Ks + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
-      ldmatrix_x4(av, Vs + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t ak[4], av[4];
+        ldmatrix_x4(ak, Ks + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+        ldmatrix_x4(av, Vs + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
 #pragma unroll
-      for (int j = 0; j < 8; j += 2) {
-        uint32_t bq[4], bo[4];
-        ldmatrix_x4(bq, Qt + (j * 8 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
-        ldmatrix_x4(bo, dOt + (j * 8 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
-        mma_16816(p[j], ak, bq[0], bq[1]);
-        mma_16816(p[j + 1], ak, bq[2], bq[3]);
-        mma_16816(dp[j], av, bo[0], bo[1]);
-        mma_16816(dp[j + 1], av, bo[2], bo[3]);
+        for (int j = 0; j < 8; j += 2) {
+          uint32_t bq[4], bo[4];
+          ldmatrix_x4(bq, Qt + (j * 8 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+          ldmatrix_x4(bo, dOt + (j * 8 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+          mma_16816(p[j], ak, bq[0], bq[1]);
+          mma_16816(p[j + 1], ak, bq[2], bq[3]);
+          mma_16816(dp[j], av, bo[0], bo[1]);
+          mma_16816(dp[j + 1], av, bo[2], bo[3]);
+        }
       }
-    }
-    // Pᵀ and dSᵀ: element (key, query) with query = qt·64 + 8j + 2c + e%2.
+      // Pᵀ and dSᵀ: element (key, query) with query = query0 + 8j + 2c + e%2; the causal mask
+      // only where the tile crosses the warp's diagonal.
+      const bool diagonal = warp_key0 + 15 > query0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = j * 8 + 2 * c + (e % 2), query = qt * kFlashRows + col, key = e < 2 ? key_a : key_b;
-        const float pe = key <= query ? exp2f(p[j][e] * kLog2e - Lt[col]) : 0.f;
-        p[j][e] = pe;
-        dp[j][e] = pe * (dp[j][e] - Dt[col]);  // dSᵀ
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * 8 + 2 * c + (e % 2), query = query0 + col, key = e < 2 ? key_a : key_b;
+          const float pe = !diagonal || key <= query ? exp2f(p[j][e] * kLog2e - Lt[col]) : 0.f;
+          p[j][e] = pe;
+          dp[j][e] = pe * (dp[j][e] - Dt[col]);  // dSᵀ
+        }
+      // dV += Pᵀ dO and dK += dSᵀ Q: Pᵀ, dSᵀ as A operands (16 queries a step), dO, Q as B (trans).
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t ap[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                                pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                                pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        const uint32_t as[4] = {pack_bf16(dp[2 * kk][0], dp[2 * kk][1]), pack_bf16(dp[2 * kk][2], dp[2 * kk][3]),
+                                pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                                pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+        for (int n = 0; n < kD / 8; n += 2) {
+          uint32_t bo[4], bq[4];
+          const int row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, col = n * 8 + (lane / 16) * 8;
+          ldmatrix_x4_trans(bo, dOt + row * kStride + col);
+          ldmatrix_x4_trans(bq, Qt + row * kStride + col);
+          mma_16816(dv_acc[n], ap, bo[0], bo[1]);
+          mma_16816(dv_acc[n + 1], ap, bo[2], bo[3]);
+          mma_16816(dk_acc[n], as, bq[0], bq[1]);
+          mma_16816(dk_acc[n + 1], as, bq[2], bq[3]);
+        }
       }
-    // dV += Pᵀ dO and dK += dSᵀ Q: Pᵀ, dSᵀ as A operands (16 queries a step), dO, Q as B (trans).
+      // dSᵀ (bf16) to shared memory: rows keys, columns queries.
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint32_t ap[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
-                              pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-      const uint32_t as[4] = {pack_bf16(dp[2 * kk][0], dp[2 * kk][1]), pack_bf16(dp[2 * kk][2], dp[2 * kk][3]),
-                              pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                              pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-#pragma unroll
-      for (int n = 0; n < kD / 8; n += 2) {
-        uint32_t bo[4], bq[4];
-        const int row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, col = n * 8 + (lane / 16) * 8;
-        ldmatrix_x4_trans(bo, dOt + row * kStride + col);
-        ldmatrix_x4_trans(bq, Qt + row * kStride + col);
-        mma_16816(dv_acc[n], ap, bo[0], bo[1]);
-        mma_16816(dv_acc[n + 1], ap, bo[2], bo[3]);
-        mma_16816(dk_acc[n], as, bq[0], bq[1]);
-        mma_16816(dk_acc[n + 1], as, bq[2], bq[3]);
+      for (int j = 0; j < 8; ++j) {
+        const int col = j * 8 + 2 * c;
+        *reinterpret_cast<uint32_t*>(dSs + (warp * 16 + g) * kSStride + col) = pack_bf16(dp[j][0], dp[j][1]);
+        *reinterpret_cast<uint32_t*>(dSs + (warp * 16 + g + 8) * kSStride + col) = pack_bf16(dp[j][2], dp[j][3]);
       }
-    }
-    // dSᵀ (bf16) to shared memory: rows keys, columns queries.
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = j * 8 + 2 * c;
-      *reinterpret_cast<uint32_t*>(dSs + (warp * 16 + g) * kSStride + col) = pack_bf16(dp[j][0], dp[j][1]);
-      *reinterpret_cast<uint32_t*>(dSs + (warp * 16 + g + 8) * kSStride + col) = pack_bf16(dp[j][2], dp[j][3]);
     }
     __syncthreads();
-    // dQ (16 queries per warp x kD) = dS K over the 64 keys: dS from dSᵀ (trans), K as B (trans).
-    float dq[kD / 8][4];
+    // dQ = dS K over the live keys (the dSᵀ rows the live warps wrote): warp w takes queries
+    // 16 (w % 4) .. + 15 and head dims kHalf (w / 4) .. + kHalf - 1. dS from dSᵀ (trans), K as B
+    // (trans).
+    constexpr int kHalf = kD / 2;
+    const int q_row0 = (warp % 4) * 16, d0 = (warp / 4) * kHalf;
+    float dq[kHalf / 8][4];
 #pragma unroll
-    for (int n = 0; n < kD / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+    for (int n = 0; n < kHalf / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < kFlashBlockRows / 16; ++kk) {
+      if (kk >= live_warps) break;
       uint32_t a[4];
-      ldmatrix_x4_trans(a, dSs + (kk * 16 + lane % 8 + (lane / 16) * 8) * kSStride + warp * 16 + ((lane / 8) % 2) * 8);
+      ldmatrix_x4_trans(a, dSs + (kk * 16 + lane % 8 + (lane / 16) * 8) * kSStride + q_row0 + ((lane / 8) % 2) * 8);
 #pragma unroll
-      for (int n = 0; n < kD / 8; n += 2) {
+      for (int n = 0; n < kHalf / 8; n += 2) {
         uint32_t bk[4];
-        ldmatrix_x4_trans(bk, Ks + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + n * 8 + (lane / 16) * 8);
+        ldmatrix_x4_trans(bk, Ks + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + d0 + n * 8 + (lane / 16) * 8);
         mma_16816(dq[n], a, bk[0], bk[1]);
         mma_16816(dq[n + 1], a, bk[2], bk[3]);
       }
@@ -421,13 +445,13 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
     // per element): lanes c and c ^ 1 trade pairs, so the even one holds query qa's columns
     // 2c to 2c + 3 and the odd one query qb's.
     const bool even = c % 2 == 0;
-    const int query = qt * kFlashRows + warp * 16 + g + (even ? 0 : 8);
+    const int query = query0 + q_row0 + g + (even ? 0 : 8);
 #pragma unroll
-    for (int n = 0; n < kD / 8; ++n) {
+    for (int n = 0; n < kHalf / 8; ++n) {
       const float r0 = __shfl_xor_sync(0xffffffffu, even ? dq[n][2] : dq[n][0], 1),
                   r1 = __shfl_xor_sync(0xffffffffu, even ? dq[n][3] : dq[n][1], 1);
       const float4 v = even ? make_float4(dq[n][0], dq[n][1], r0, r1) : make_float4(r0, r1, dq[n][2], dq[n][3]);
-      const int d = n * 8 + 2 * (c & ~1);
+      const int d = d0 + n * 8 + 2 * (c & ~1);
       if (query >= T || d >= dh) continue;
       float* const dq_at = dq_acc + base + int64_t(query) * ld + d;
       if (dq_vec4 && d + 3 < dh) {
@@ -456,7 +480,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
 template <int kD>
 void launch_flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T,
                           int64_t H, int64_t dh, cudaStream_t stream) {
-  const size_t bytes = sizeof(bf16) * 5 * kFlashRows * (kD + 8);
+  const size_t bytes = sizeof(bf16) * (kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8);
   MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
   flash_forward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh));
   MOEUT_CUDA_CHECK(cudaGetLastError());
@@ -466,8 +490,9 @@ template <int kD>
 void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const float* lse, const float* D,
                            const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T, int64_t H, int64_t dh,
                            int64_t grad_ld, float grad_scale, cudaStream_t stream) {
-  const size_t bytes = sizeof(bf16) * (6 * kFlashRows * (kD + 8) + kFlashRows * (kFlashRows + 8)) +
-                       sizeof(float) * 4 * kFlashRows;
+  const size_t bytes = sizeof(bf16) * ((2 * kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8) +
+                                       kFlashBlockRows * (kFlashTileRows + 8)) +
+                       sizeof(float) * 4 * kFlashTileRows;
   MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_backward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
   flash_backward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H),
                                                              int(dh), grad_ld, grad_scale);

@@ -254,9 +254,10 @@ TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {
   ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
   struct Case { int64_t B, T, H, dh; };
   // Head sizes of every profile (the flash kernels pad them to 32, 96 or 128), sequence lengths
-  // on and off their 64-row tiles, and one head size above 128 (the cuBLAS path).
+  // on and off their 128-row blocks and 64-row tiles (320: two and a half blocks, five tiles),
+  // and one head size above 128 (the cuBLAS path).
   for (const Case& c : {Case{2, 1024, 2, 128}, Case{3, 100, 4, 82}, Case{2, 130, 3, 96}, Case{4, 64, 2, 32},
-                        Case{1, 70, 2, 136}}) {
+                        Case{2, 320, 2, 64}, Case{1, 70, 2, 136}}) {
     SCOPED_TRACE("T " + std::to_string(c.T) + " dh " + std::to_string(c.dh));
     Rng rng{uint64_t(c.T + c.dh)};
     const int64_t n = c.B * c.T * c.H * c.dh;
