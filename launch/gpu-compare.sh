@@ -7,7 +7,9 @@
 # A DIR is a build folder (launch/build-gpu.sh) or one that launch/gpu-pack.sh filled with the
 # three binaries used here (two whole builds exceed what the device tool carries). FILTER: gtest
 # filter for the tests (default '*Cvmm*:*Plan*:*Model*'). ROUNDS (environment): alternations
-# (default 2). Logs under $OUT. Exit status: failed steps.
+# (default 2). BENCHES (environment): which benchmarks, of "cvmm 1B" (the default; "1B" alone
+# saves about two minutes of device time when the expert kernels did not change). Logs under
+# $OUT. Exit status: failed steps.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/moeut-gpu-compare}
@@ -21,6 +23,10 @@ else
 fi
 filter=${filter:-'*Cvmm*:*Plan*:*Model*'}
 rounds=${ROUNDS:-2}
+benches=" ${BENCHES:-cvmm 1B} "
+for b in $benches; do
+  case $b in cvmm | 1B) ;; *) echo "BENCHES: unknown benchmark '$b' (cvmm, 1B)" >&2; exit 2 ;; esac
+done
 # variant V PROGRAM ARGS...: PROGRAM from variant V's folder (a or b), with VAR=1 set for A in
 # the --env form and unset otherwise.
 variant() {
@@ -37,14 +43,18 @@ echo "A: ${var:+$var=1 }$dir_a | B: $dir_b | rounds $rounds"
 show_source "$dir_a"
 [ "$dir_b" = "$dir_a" ] || show_source "$dir_b"
 step tests_b variant b moeut_gpu_tests --gtest_filter="$filter"
-for r in $(seq "$rounds"); do
-  for v in a b; do
-    step "cvmm_${v}_$r" variant "$v" moeut-bench-cvmm 16384
+if [[ $benches == *" cvmm "* ]]; then
+  for r in $(seq "$rounds"); do
+    for v in a b; do
+      step "cvmm_${v}_$r" variant "$v" moeut-bench-cvmm 16384
+    done
   done
-done
-for r in $(seq "$rounds"); do
-  for v in a b; do
-    step "bench_1B_${v}_$r" variant "$v" moeut-bench --config "$root/configs/1B.cfg" --batch 16
+fi
+if [[ $benches == *" 1B "* ]]; then
+  for r in $(seq "$rounds"); do
+    for v in a b; do
+      step "bench_1B_${v}_$r" variant "$v" moeut-bench --config "$root/configs/1B.cfg" --batch 16
+    done
   done
-done
+fi
 exit $failed
