@@ -13,7 +13,6 @@
 #include <vector>
 
 #include <cstdio>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -1229,12 +1228,11 @@ void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStr
   };
   // An operand whose rows are positions (the FFN's hidden rows) comes by tensor copies. Its map
   // is made per call: the live positions change with every routing (a few microseconds).
-  static const bool gather_both = std::getenv("MOEUT_DW_GATHER_BOTH") != nullptr;  // A/B switch while measuring
   const bool a_by_position = a.a_by_in_row ? plan.in_by_position : plan.out_by_position;
   const bool b_by_position = a.a_by_in_row ? plan.out_by_position : plan.in_by_position;
-  if (!gather_both && plan.positions > 0 && a_by_position && vectorizable(a.A, a.K))
+  if (plan.positions > 0 && a_by_position && vectorizable(a.A, a.K))
     launch(cvmm_weight_grad_kernel<kTmaA>, tensor_map(a.A, a.K, plan.positions, WS));
-  else if (!gather_both && plan.positions > 0 && b_by_position && vectorizable(a.B, a.N))
+  else if (plan.positions > 0 && b_by_position && vectorizable(a.B, a.N))
     launch(cvmm_weight_grad_kernel<kTmaB>, tensor_map(a.B, a.N, plan.positions, WS));
   else
     launch(cvmm_weight_grad_kernel<kGatherBoth>, CUtensorMap{});
