@@ -5,7 +5,7 @@
 # memory of the flash kernels, say). SKIP (environment) launches that match are passed over first.
 #   launch/gpu-kernel-report.sh NAME REGEX COUNT -- PROGRAM ARGS...
 # e.g. launch/gpu-kernel-report.sh flash_bwd flash_backward 1 -- build-gpu/launch/moeut-bench \
-#        --config configs/1B.cfg --batch 16 --steps 1 --warmup 0
+#        --config configs/1B.cfg --batch 16 --steps 1 --warmup 1
 # Writes $OUT/NAME.txt (the report) and $OUT/NAME.log (the program's output).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
