@@ -5,6 +5,7 @@
 #include "kernels/attention_cuda.h"
 #include "kernels/cuda_check.h"
 #include "kernels/with_ceiling.h"
+#include "kernels/lane_reduce.cuh"
 
 namespace moeut::cuda {
 namespace {
@@ -32,11 +33,10 @@ __global__ void causal_softmax(bf16* P, const float* S, int64_t rows, int T) {
   const float* s = S + r * T;
   float mx = -INFINITY;
   for (int j = lane; j <= i; j += 32) mx = fmaxf(mx, s[j]);
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  mx = warp_max(mx);
   float sum = 0.f;
   for (int j = lane; j <= i; j += 32) sum += __expf(s[j] - mx);
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float inv = 1.f / sum;
+  const float inv = 1.f / warp_sum(sum);
   for (int j = lane; j < T; j += 32) P[r * T + j] = __float2bfloat16(j <= i ? __expf(s[j] - mx) * inv : 0.f);
 }
 
@@ -50,7 +50,7 @@ __global__ void causal_softmax_backward(bf16* P_then_dS, const float* dP, int64_
   const float* dp = dP + r * T;
   float dot = 0.f;
   for (int j = lane; j <= i; j += 32) dot += __bfloat162float(p[j]) * dp[j];
-  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+  dot = warp_sum(dot);
   for (int j = lane; j <= i; j += 32) p[j] = __float2bfloat16(__bfloat162float(p[j]) * (dp[j] - dot));
 }
 
@@ -199,11 +199,7 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
         if (e < 2) mx_a = fmaxf(mx_a, s[j][e]);
         else mx_b = fmaxf(mx_b, s[j][e]);
       }
-#pragma unroll
-    for (int off = 1; off < 4; off *= 2) {  // the 4 threads of a row
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
-    }
+    mx_a = group_max<4>(mx_a), mx_b = group_max<4>(mx_b);  // the 4 threads of a row
     // Every row sees key 0 of the first tile, so the running max is finite from the first tile
     // on; the first correction is exp2(-inf) = 0.
     const float corr_a = exp2f(m_a - mx_a), corr_b = exp2f(m_b - mx_b);
@@ -235,11 +231,7 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
     __syncthreads();  // this tile's buffers are refilled by the next step's copies
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
-#pragma unroll
-  for (int off = 1; off < 4; off *= 2) {
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
-  }
+  l_a = group_sum<4>(l_a), l_b = group_sum<4>(l_b);
   const float inv_a = 1.f / l_a, inv_b = 1.f / l_b;
   if (c == 0) {  // log2 of each row's softmax denominator, in the base-2 units of the scores
     if (row_a < T) lse[int64_t(bh) * T + row_a] = m_a + log2f(l_a);
@@ -263,7 +255,7 @@ __global__ void flash_row_dots(float* D, const bf16* dout, const bf16* out, int6
   const int64_t at = (b * T + t) * int64_t(H) * dh + h * dh;
   float sum = 0.f;
   for (int d = threadIdx.x % 32; d < dh; d += 32) sum += __bfloat162float(dout[at + d]) * __bfloat162float(out[at + d]);
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  sum = warp_sum(sum);
   if (threadIdx.x % 32 == 0) D[r] = sum;
 }
 
