@@ -2,6 +2,7 @@
 
 #include "kernels/adamw_cuda.h"
 #include "kernels/cuda_check.h"
+#include "kernels/lane_reduce.cuh"
 
 namespace moeut::cuda {
 namespace {
@@ -25,7 +26,7 @@ __global__ void sum_of_squares_kernel(double* out, const float* x, int64_t n) {
   float s = 0.f;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     s += x[i] * x[i];
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  s = warp_sum(s);
   __shared__ float warp_sums[32];
   if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = s;
   __syncthreads();

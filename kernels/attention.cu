@@ -5,6 +5,7 @@
 #include "kernels/attention_cuda.h"
 #include "kernels/cuda_check.h"
 #include "kernels/with_ceiling.h"
+#include "kernels/lane_reduce.cuh"
 
 namespace moeut::cuda {
 namespace {
@@ -32,11 +33,10 @@ __global__ void causal_softmax(bf16* P, const float* S, int64_t rows, int T) {
   const float* s = S + r * T;
   float mx = -INFINITY;
   for (int j = lane; j <= i; j += 32) mx = fmaxf(mx, s[j]);
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  mx = warp_max(mx);
   float sum = 0.f;
   for (int j = lane; j <= i; j += 32) sum += __expf(s[j] - mx);
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float inv = 1.f / sum;
+  const float inv = 1.f / warp_sum(sum);
   for (int j = lane; j < T; j += 32) P[r * T + j] = __float2bfloat16(j <= i ? __expf(s[j] - mx) * inv : 0.f);
 }
 
@@ -50,7 +50,7 @@ __global__ void causal_softmax_backward(bf16* P_then_dS, const float* dP, int64_
   const float* dp = dP + r * T;
   float dot = 0.f;
   for (int j = lane; j <= i; j += 32) dot += __bfloat162float(p[j]) * dp[j];
-  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+  dot = warp_sum(dot);
   for (int j = lane; j <= i; j += 32) p[j] = __float2bfloat16(__bfloat162float(p[j]) * (dp[j] - dot));
 }
 
@@ -81,6 +81,13 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
                "{%0, %1, %2, %3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 2^x by the SFU alone (exp2f adds range handling around it; results below 2^-126 flush to 0,
+// which a probability that small may).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -187,32 +194,33 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
         mma_16816(s[j + 1], a, bk[2], bk[3]);
       }
     }
-    // Causal mask where the tile crosses the warp's diagonal; scores to base 2.
-    const bool diagonal = key0 + kFlashTileRows - 1 > warp_row0;
+    // Causal mask, only on a tile that crosses the warp's diagonal (a warp-uniform branch).
+    if (key0 + kFlashTileRows - 1 > warp_row0) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (key0 + j * 8 + 2 * c + (e % 2) > (e < 2 ? row_a : row_b)) s[j][e] = -INFINITY;
+    }
+    // The running max in the scores' units (the base-2 scale is positive, so the max commutes
+    // with it); each exponent is then one fused multiply-add.
     float mx_a = m_a, mx_b = m_b;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + j * 8 + 2 * c + (e % 2), row = e < 2 ? row_a : row_b;
-        s[j][e] = !diagonal || key <= row ? s[j][e] * kLog2e : -INFINITY;
-        if (e < 2) mx_a = fmaxf(mx_a, s[j][e]);
-        else mx_b = fmaxf(mx_b, s[j][e]);
-      }
-#pragma unroll
-    for (int off = 1; off < 4; off *= 2) {  // the 4 threads of a row
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+    for (int j = 0; j < 8; ++j) {
+      mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
     }
+    mx_a = group_max<4>(mx_a), mx_b = group_max<4>(mx_b);  // the 4 threads of a row
     // Every row sees key 0 of the first tile, so the running max is finite from the first tile
     // on; the first correction is exp2(-inf) = 0.
-    const float corr_a = exp2f(m_a - mx_a), corr_b = exp2f(m_b - mx_b);
+    const float corr_a = fast_exp2((m_a - mx_a) * kLog2e), corr_b = fast_exp2((m_b - mx_b) * kLog2e);
     m_a = mx_a, m_b = mx_b;
+    const float off_a = mx_a * kLog2e, off_b = mx_b * kLog2e;
     float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      s[j][0] = exp2f(s[j][0] - mx_a), s[j][1] = exp2f(s[j][1] - mx_a);
-      s[j][2] = exp2f(s[j][2] - mx_b), s[j][3] = exp2f(s[j][3] - mx_b);
+      s[j][0] = fast_exp2(fmaf(s[j][0], kLog2e, -off_a)), s[j][1] = fast_exp2(fmaf(s[j][1], kLog2e, -off_a));
+      s[j][2] = fast_exp2(fmaf(s[j][2], kLog2e, -off_b)), s[j][3] = fast_exp2(fmaf(s[j][3], kLog2e, -off_b));
       sum_a += s[j][0] + s[j][1], sum_b += s[j][2] + s[j][3];
     }
     l_a = l_a * corr_a + sum_a, l_b = l_b * corr_b + sum_b;  // partial sums: the quad adds them at the end
@@ -235,15 +243,11 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
     __syncthreads();  // this tile's buffers are refilled by the next step's copies
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
-#pragma unroll
-  for (int off = 1; off < 4; off *= 2) {
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
-  }
+  l_a = group_sum<4>(l_a), l_b = group_sum<4>(l_b);
   const float inv_a = 1.f / l_a, inv_b = 1.f / l_b;
   if (c == 0) {  // log2 of each row's softmax denominator, in the base-2 units of the scores
-    if (row_a < T) lse[int64_t(bh) * T + row_a] = m_a + log2f(l_a);
-    if (row_b < T) lse[int64_t(bh) * T + row_b] = m_b + log2f(l_b);
+    if (row_a < T) lse[int64_t(bh) * T + row_a] = m_a * kLog2e + log2f(l_a);
+    if (row_b < T) lse[int64_t(bh) * T + row_b] = m_b * kLog2e + log2f(l_b);
   }
 #pragma unroll
   for (int n = 0; n < kD / 8; ++n)
@@ -263,7 +267,7 @@ __global__ void flash_row_dots(float* D, const bf16* dout, const bf16* out, int6
   const int64_t at = (b * T + t) * int64_t(H) * dh + h * dh;
   float sum = 0.f;
   for (int d = threadIdx.x % 32; d < dh; d += 32) sum += __bfloat162float(dout[at + d]) * __bfloat162float(out[at + d]);
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  sum = warp_sum(sum);
   if (threadIdx.x % 32 == 0) D[r] = sum;
 }
 
@@ -386,7 +390,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = j * 8 + 2 * c + (e % 2), query = query0 + col, key = e < 2 ? key_a : key_b;
-          const float pe = !diagonal || key <= query ? exp2f(p[j][e] * kLog2e - Lt[col]) : 0.f;
+          const float pe = !diagonal || key <= query ? fast_exp2(fmaf(p[j][e], kLog2e, -Lt[col])) : 0.f;
           p[j][e] = pe;
           dp[j][e] = pe * (dp[j][e] - Dt[col]);  // dSᵀ
         }

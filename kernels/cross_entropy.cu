@@ -1,5 +1,6 @@
 #include "kernels/cross_entropy_cuda.h"
 #include "kernels/cuda_check.h"
+#include "kernels/lane_reduce.cuh"
 
 namespace moeut::cuda {
 namespace {
@@ -7,18 +8,12 @@ namespace {
 constexpr int kThreads = 256;
 
 __device__ inline float block_reduce(float v, bool is_max, float* scratch) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float other = __shfl_xor_sync(0xffffffffu, v, o);
-    v = is_max ? fmaxf(v, other) : v + other;
-  }
+  v = is_max ? warp_max(v) : warp_sum(v);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
   if (threadIdx.x < 32) {
     v = threadIdx.x < kThreads / 32 ? scratch[threadIdx.x] : (is_max ? -INFINITY : 0.f);
-    for (int o = 16; o > 0; o >>= 1) {
-      const float other = __shfl_xor_sync(0xffffffffu, v, o);
-      v = is_max ? fmaxf(v, other) : v + other;
-    }
+    v = is_max ? warp_max(v) : warp_sum(v);
     if (threadIdx.x == 0) scratch[0] = v;
   }
   __syncthreads();

@@ -19,6 +19,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/cvmm_cuda.h"
 #include "kernels/wgmma.cuh"
+#include "kernels/lane_reduce.cuh"
 
 namespace moeut::cuda {
 namespace {
@@ -237,8 +238,7 @@ __device__ __forceinline__ void routing_weight_grad(const CvmmRowsArgs& a, Chunk
                  v3 = __bfloat1622float2(v[3]);
     float sum = c0.x * v0.x + c0.y * v0.y + c0.z * v1.x + c0.w * v1.y + c1.x * v2.x + c1.y * v2.y + c1.z * v3.x +
                 c1.w * v3.y;
-#pragma unroll
-    for (int offset = 8; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    sum = group_sum<16>(sum);
     if (threadIdx.x % 16 == 0 && r < rows) atomicAdd(a.dweight + sel[r], sum);
   }
 }
@@ -733,9 +733,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
       if (a.dweight) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float sum = dot_sum[h];
-          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          const float sum = group_sum<4>(dot_sum[h]);
           const int r = fragment_row(f) + wgmma::acc_row(2 * h);
           if (threadIdx.x % 4 == 0 && r < rows) atomicAdd(a.dweight + sl.sel[r], sum);
         }

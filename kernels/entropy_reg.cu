@@ -3,6 +3,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/entropy_reg_cuda.h"
 #include "kernels/with_ceiling.h"
+#include "kernels/lane_reduce.cuh"
 
 namespace moeut::cuda {
 namespace {
@@ -13,18 +14,6 @@ constexpr int kPositionsPerBlock = 64, kThreads = 256;
 // most 32), 32 / L positions per warp: attention's 12 experts would otherwise leave most lanes
 // idle through each reduction. Every lane of a warp runs each reduction (positions past the end
 // with a clamped row, their results unused).
-template <int L>
-__device__ inline float group_sum(float v) {
-#pragma unroll
-  for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-template <int L>
-__device__ inline float group_max(float v) {
-#pragma unroll
-  for (int o = L / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 // Log-sum-exp over the E logits at z; lane: this lane's index within its L.
 template <int L>
 __device__ inline float position_lse(const float* z, int E, int lane) {
@@ -68,7 +57,7 @@ __global__ void entropy_terms(float* mean, double* loss, int rows, int E, double
     h += m[e] * lm;
     m[e] = lm + 1.f;
   }
-  for (int o = 16; o > 0; o >>= 1) h += __shfl_xor_sync(0xffffffffu, h, o);
+  h = warp_sum(h);
   if (lane == 0) atomicAdd(loss, scale * double(h));
 }
 

@@ -4,14 +4,10 @@
 #include "kernels/cuda_check.h"
 #include "kernels/layernorm.h"
 #include "kernels/layernorm_cuda.h"
+#include "kernels/lane_reduce.cuh"
 
 namespace moeut::cuda {
 namespace {
-
-__device__ inline float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 constexpr int kWarps = 8, kBackwardWarps = 4;
 
