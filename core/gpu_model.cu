@@ -249,9 +249,10 @@ void GpuModel::attention_forward(int64_t l) {
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
   const float* x = xs_[l].get();
   mark(Part::kOther);
-  // xb: the raw residual in bf16, which the value experts read.
+  // xb: the raw residual in bf16, which the value experts read; x_mid starts as x (the output
+  // experts add into it).
   cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
-                          d, stream_, L.xb.get());
+                          d, stream_, L.xb.get(), L.x_mid.get());
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
   dense(xn_.get(), p + "attention.q.weight", N, hd, s, L.q.get(), CUDA_R_16BF);
@@ -275,8 +276,6 @@ void GpuModel::attention_forward(int64_t l) {
   cuda::to_bf16(L.v.get(), vsum_.get(), N * hd, stream_);
   mark(Part::kAttention);
   attention_->forward(L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
-  mark(Part::kOther);
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(L.x_mid.get(), x, size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
                                      nullptr, dh, d, false, true, N}, stream_);
@@ -286,16 +285,14 @@ void GpuModel::ffn_forward(int64_t l) {
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
+  float* y = xs_[l + 1].get();  // starts as x_mid (the FFN experts add into it)
   mark(Part::kOther);
   cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
-                          wparam(p + "ln2.bias"), N, d, stream_, L.x_midb.get());
+                          wparam(p + "ln2.bias"), N, d, stream_, L.x_midb.get(), y);
   mark(Part::kDense);
   router_logits(xn_.get(), p + "ffn.expert_sel", Ef, L.z.get());
   mark(Part::kRouting);
   cuda::topk_sigmoid_forward(L.i_ff.get(), L.w_ff.get(), L.z.get(), N, 1, Ef, kf, stream_);
-  float* y = xs_[l + 1].get();
-  mark(Part::kOther);
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(y, L.x_mid.get(), size_t(N * d) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   if (!dispatcher_) {
     mark(Part::kExperts);
     experts_forward(l, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, y);

@@ -66,12 +66,15 @@ bool four_wide(int64_t d, std::initializer_list<const void*> fp32, std::initiali
 // the row in registers, so the row is read from memory once, with all of a lane's loads in
 // flight together (a loop over the row three times kept one load in flight per lane: about half
 // the memory bandwidth, docs/PERFORMANCE.md v9). Columns past them (d > 32·V·kRegisterChunks) are
-// read again in each pass. x_bf16, when not null, receives a bf16 copy of x.
+// read again in each pass. x_bf16, when not null, receives a bf16 copy of x, and x_copy an fp32 one.
+// Held to 128 registers, two blocks per SM: with the copies the compiler took 144 (one block), and
+// every call ran at half the warps, the backward pass's copy-less ones too (docs/PERFORMANCE.md v18).
 constexpr int kRegisterChunks = 16;
 template <int V>
-__global__ void layernorm_forward_kernel(__nv_bfloat16* out, __nv_bfloat16* x_bf16, float* mean, float* rstd,
-                                         const float* x, const __nv_bfloat16* w, const __nv_bfloat16* b, int64_t n,
-                                         int d) {
+__global__ void __launch_bounds__(kWarps * 32, 2) layernorm_forward_kernel(__nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ x_bf16,
+                                         float* __restrict__ x_copy, float* mean, float* rstd,
+                                         const float* __restrict__ x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                                         int64_t n, int d) {
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
@@ -88,6 +91,12 @@ __global__ void layernorm_forward_kernel(__nv_bfloat16* out, __nv_bfloat16* x_bf
       if (const int i = lane * V + c * kStride; i < d) f(i, held[c]);
     for (int i = kHeld + lane * V; i < d; i += kStride) f(i, load_cols<V>(xr + i));
   };
+  // The copies, as soon as the row is in.
+  if (x_bf16 || x_copy)
+    each_chunk([&](int i, const Cols<V>& xv) {
+      if (x_bf16) store_cols<V>(x_bf16 + row * d + i, xv);
+      if (x_copy) store_cols<V>(x_copy + row * d + i, xv);
+    });
   float s = 0.f;
   each_chunk([&](int, const Cols<V>& xv) {
 #pragma unroll
@@ -106,7 +115,6 @@ __global__ void layernorm_forward_kernel(__nv_bfloat16* out, __nv_bfloat16* x_bf
 #pragma unroll
     for (int k = 0; k < V; ++k) o.v[k] = (xv.v[k] - mu) * rs * wv.v[k] + bv.v[k];
     store_cols<V>(out + row * d + i, o);
-    if (x_bf16) store_cols<V>(x_bf16 + row * d + i, xv);
   });
   if (lane == 0) {
     mean[row] = mu;
@@ -172,13 +180,16 @@ __global__ void layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, flo
 }  // namespace
 
 void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float* x, const __nv_bfloat16* weight,
-                       const __nv_bfloat16* bias, int64_t n, int64_t d, cudaStream_t stream, __nv_bfloat16* x_bf16) {
+                       const __nv_bfloat16* bias, int64_t n, int64_t d, cudaStream_t stream, __nv_bfloat16* x_bf16,
+                       float* x_copy) {
   if (n == 0) return;
   const unsigned blocks = unsigned((n + kWarps - 1) / kWarps);
-  if (four_wide(d, {x}, {out, weight, bias, x_bf16}))
-    layernorm_forward_kernel<4><<<blocks, kWarps * 32, 0, stream>>>(out, x_bf16, mean, rstd, x, weight, bias, n, int(d));
+  if (four_wide(d, {x, x_copy}, {out, weight, bias, x_bf16}))
+    layernorm_forward_kernel<4>
+        <<<blocks, kWarps * 32, 0, stream>>>(out, x_bf16, x_copy, mean, rstd, x, weight, bias, n, int(d));
   else
-    layernorm_forward_kernel<1><<<blocks, kWarps * 32, 0, stream>>>(out, x_bf16, mean, rstd, x, weight, bias, n, int(d));
+    layernorm_forward_kernel<1>
+        <<<blocks, kWarps * 32, 0, stream>>>(out, x_bf16, x_copy, mean, rstd, x, weight, bias, n, int(d));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -8,10 +8,12 @@
 
 namespace moeut::cuda {
 
-// x_bf16, when not null, also receives x in bf16 (a copy the products read, made in the same pass).
+// x_bf16, when not null, also receives x in bf16 (a copy the products read, made in the same pass),
+// and x_copy x itself (the residual buffer that a sublayer's output is then added into starts as
+// its input without a copy pass reading x again).
 void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float* x, const __nv_bfloat16* weight,
                        const __nv_bfloat16* bias, int64_t n, int64_t d, cudaStream_t stream,
-                       __nv_bfloat16* x_bf16 = nullptr);
+                       __nv_bfloat16* x_bf16 = nullptr, float* x_copy = nullptr);
 
 // Accumulates into dx [n, d], dweight [d] and dbias [d]. dx_bf16, when not null, also receives the
 // accumulated dx in bf16.

@@ -49,11 +49,14 @@ TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
         gdx(dx0), gdw(std::vector<float>(d, 0.5f)), gdb(std::vector<float>(d, -0.5f));
     DeviceBuffer<bf16> gw(to_bf16(w)), gb(to_bf16(b)), gout(std::vector<bf16>(n * d, __float2bfloat16(NAN))),
         gxb(gout.download()), gdxb(gout.download());
-    cuda::layernorm_forward(gout.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0, gxb.get());
+    DeviceBuffer<float> gx_copy(std::vector<float>(n * d, NAN));
+    cuda::layernorm_forward(gout.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0, gxb.get(),
+                            gx_copy.get());
     cuda::layernorm_backward(gdx.get(), gdw.get(), gdb.get(), gdout.get(), gx.get(), gw.get(), gmean.get(), grstd.get(),
                              n, d, 0, gdxb.get());
-    // The bf16 copies: x exactly (its values are bf16), dx rounded from the fp32 result.
+    // The copies: x exactly (its values are bf16), dx rounded from the fp32 result.
     EXPECT_EQ(to_float(gxb.download()), x) << "bf16 copy of x";
+    EXPECT_EQ(gx_copy.download(), x) << "fp32 copy of x";
     EXPECT_EQ(to_float(gdxb.download()), to_float(to_bf16(gdx.download()))) << "bf16 copy of dx";
     EXPECT_LE(rel_error(to_float(gout.download()), out), 1e-2) << "output (bf16)";
     EXPECT_LE(rel_error(gmean.download(), mean), 1e-5) << "mean";
