@@ -71,10 +71,10 @@ bool four_wide(int64_t d, std::initializer_list<const void*> fp32, std::initiali
 // every call ran at half the warps, the backward pass's copy-less ones too (docs/PERFORMANCE.md v18).
 constexpr int kRegisterChunks = 16;
 template <int V>
-__global__ void __launch_bounds__(kWarps * 32, 2) layernorm_forward_kernel(__nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ x_bf16,
-                                         float* __restrict__ x_copy, float* mean, float* rstd,
-                                         const float* __restrict__ x, const __nv_bfloat16* w, const __nv_bfloat16* b,
-                                         int64_t n, int d) {
+__global__ void __launch_bounds__(kWarps * 32, 2)
+    layernorm_forward_kernel(__nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ x_bf16,
+                             float* __restrict__ x_copy, float* mean, float* rstd, const float* __restrict__ x,
+                             const __nv_bfloat16* w, const __nv_bfloat16* b, int64_t n, int d) {
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
