@@ -30,7 +30,10 @@ using cuda::check_cublas;
 }  // namespace
 
 struct GpuModel::Layer {
-  DeviceBuffer<bf16> xb, q, k, v, heads, x_midb, hidden;
+  DeviceBuffer<bf16> xb, q, k, heads, x_midb, hidden;
+  // The value experts' unweighted rows, one per selection [N·H·ka, dh] (see cuda::at_selections):
+  // the values are summed from them when needed, and their routing-weight gradient dots them.
+  DeviceBuffer<bf16> v_sel;
   // zv, zo, z: the routing logits, then (after the forward pass) the regulariser's gradient
   // with respect to them, which is all the backward pass needs of them.
   DeviceBuffer<float> mean1, rstd1, zv, zo, wv, wo, x_mid, mean2, rstd2, z, w_ff;
@@ -73,7 +76,8 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   for (Layer& L : layers_) {
     for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) *plan = planner_->make_buffers();
     for (auto* b : {&L.xb, &L.x_midb}) *b = DeviceBuffer<bf16>(size_t(N * d));
-    for (auto* b : {&L.q, &L.k, &L.v, &L.heads}) *b = DeviceBuffer<bf16>(size_t(N * hd));
+    for (auto* b : {&L.q, &L.k, &L.heads}) *b = DeviceBuffer<bf16>(size_t(N * hd));
+    L.v_sel = DeviceBuffer<bf16>(size_t(N * hk * cfg_.d_head));
     L.hidden = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
     if (dispatcher_) {
       L.route = dispatcher_->make_route();
@@ -96,7 +100,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   mean_f_ = DeviceBuffer<float>(size_t(N));
   rstd_f_ = DeviceBuffer<float>(size_t(N));
   row_loss_ = DeviceBuffer<float>(size_t(N));
-  vsum_ = DeviceBuffer<float>(size_t(N * hd));
+  v_ = DeviceBuffer<bf16>(size_t(N * hd));
   reg_loss_ = DeviceBuffer<double>(2);
   for (auto* b : {&dres_, &dxn_, &dxf_}) *b = DeviceBuffer<float>(size_t(N * d));
   dw_ = DeviceBuffer<float>(size_t(N * std::max(kf, hk)));
@@ -269,13 +273,11 @@ void GpuModel::attention_forward(int64_t l) {
   mark(Part::kExperts);
   planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, stream_);
   planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, stream_);
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(vsum_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
-  cuda::cvmm_rows(L.plan_v.view(), {L.xb.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, vsum_.get(), nullptr,
-                                     nullptr, d, dh, false, true, N * H}, stream_);
-  mark(Part::kOther);
-  cuda::to_bf16(L.v.get(), vsum_.get(), N * hd, stream_);
+  cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()), {L.xb.get(), wparam(p + "attention.v"), nullptr, L.v_sel.get(),
+                                                         nullptr, nullptr, nullptr, d, dh, false, false}, stream_);
+  cuda::cvmm_sum_selections(v_.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
   mark(Part::kAttention);
-  attention_->forward(L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), L.v.get(), stream_);
+  attention_->forward(L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), v_.get(), stream_);
   mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
                                      nullptr, dh, d, false, true, N}, stream_);
@@ -518,16 +520,20 @@ void GpuModel::attention_backward(int64_t l) {
   // q and k were scaled by s in the forward pass: dq and dk come scaled alike, the gradients of
   // the products before the scale.
   const float s = float(std::pow(double(dh), -0.25));
-  attention_->backward(dq, dk, dv_.get(), dheads_.get(), L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), L.v.get(),
+  mark(Part::kExperts);
+  cuda::cvmm_sum_selections(v_.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
+  mark(Part::kAttention);
+  attention_->backward(dq, dk, dv_.get(), dheads_.get(), L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), v_.get(),
                        stream_, attn_in_ld_, s);
-  // Value experts read the raw residual: their input gradient adds onto dres.
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
+  // Value experts read the raw residual: their input gradient adds onto dres. Their routing-weight
+  // gradient dots dv with each selection's kept row.
   mark(Part::kExperts);
   weight_grads_->fork();
   cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
                                             H * Ea}, weight_grads_->get());
-  cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), dw_.get(),
-                                         L.xb.get(), dh, d, true, true, N}, stream_);
+  cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), nullptr,
+                                         nullptr, dh, d, true, true, N}, stream_);
+  cuda::cvmm_selection_dots(dw_.get(), L.v_sel.get(), dv_.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
   routing_grad(L.zv.get(), L.iv.get(), L.wv.get(), H, Ea, ka, dz_v, attn_in_ld_);
   mark(Part::kAttention);
   cuda::rope_backward(dq, B_, T, H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);

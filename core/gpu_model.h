@@ -122,7 +122,8 @@ class GpuModel {
   // A layer's LayerNorm output (bf16), for the products that read it; the backward pass
   // recomputes it from the kept fp32 input and statistics instead of keeping one per layer.
   cuda::DeviceBuffer<bf16> xn_;
-  cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_, vsum_;
+  cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_;
+  cuda::DeviceBuffer<bf16> v_;  // the layer's values [N, H·dh], summed from its value experts' rows
   // Backward scratch, shared by the layers.
   cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dz_, dheads_f32_;
   cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dv_;

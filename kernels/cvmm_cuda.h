@@ -64,6 +64,26 @@ struct CvmmRowsArgs {
 };
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream);
 
+// Each selection's product kept in a row of its own: a plan whose output row is the selection's
+// index, for cvmm_rows's stored outputs. The attention's value experts keep their rows so (two
+// per token and head): their routing-weight gradient is then a 128-wide dot product
+// (cvmm_selection_dots) instead of one over the 1536-wide token rows in the scatter's epilogue,
+// which at 1B made that scatter 0.849 ms against 0.538 for the same one without it
+// (docs/PERFORMANCE.md v18).
+inline CvmmPlan at_selections(CvmmPlan plan) {
+  plan.out_row = plan.by_expert;
+  plan.out_by_position = false;
+  return plan;
+}
+// out[r] = Σ weight[i] · rows[i] (bf16 out, fp32 sums) over the selections i = r·per_row + s,
+// s < per_row, with index[i] >= 0; N columns, r < out_rows.
+void cvmm_sum_selections(__nv_bfloat16* out, const __nv_bfloat16* rows, const float* weight, const int32_t* index,
+                         int64_t out_rows, int64_t per_row, int64_t N, cudaStream_t stream);
+// dweight[i] = Σ_n dot_rows[i / per_row][n] · rows[i][n] for the selections i < selections with
+// index[i] >= 0, and 0 for the others; N columns.
+void cvmm_selection_dots(float* dweight, const __nv_bfloat16* rows, const __nv_bfloat16* dot_rows, const int32_t* index,
+                         int64_t selections, int64_t per_row, int64_t N, cudaStream_t stream);
+
 // dW_e += Σ_{selections s of e} A[a_row(s)]ᵀ · (weight_s · B[b_row(s)]), A [*, K], B [*, N],
 // dW fp32 [E, K, N]: the expert-weight gradient, with both operands gathered.
 struct CvmmWeightGradArgs {

@@ -1,9 +1,9 @@
 // The CUDA cvmm kernels against the CPU reference (kernels/cvmm.cpp) on random inputs: the four
 // expert products of a σ-MoE layer, forward and backward, at several shapes, including widths
 // that are not multiples of 8, skewed routing and experts that receive nothing; the FFN's ReLU
-// options; the scatter product with a routing-weight gradient (the attention value experts'
-// input gradient). bf16 operands are rounded once on the host and the reference computes on the
-// same rounded values.
+// options; the scatter product with a routing-weight gradient; rows kept per selection, with
+// their weighted sums and dots (the attention value experts). bf16 operands are rounded once on
+// the host and the reference computes on the same rounded values.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
@@ -80,6 +80,7 @@ void check(const Shape& s) {
   const auto [keys_buffer, keys] = placed(Wk, s.misaligned ? 4 : 0);
   const auto [values_buffer, values] = placed(Wv, s.misaligned ? 4 : 0);
   const DeviceBuffer<float> gw(w);
+  const DeviceBuffer<int32_t> gindex(up.expert);  // [n, k]: every selection computed here
   CvmmWorkspace<float> ws;
 
   {  // up: H = X[t] · keys_e, one row per selection (stored, poisoned first)
@@ -152,6 +153,33 @@ void check(const Shape& s) {
                                            true, sels}, 0);
     EXPECT_LE(rel_error(gdH.download(), dH_ref), 1e-3) << "down: input gradient added into fp32 rows";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "down: routing-weight gradient, rows added into";
+  }
+  {  // Each selection's unweighted row kept (the attention's value experts): rows[i] = X[t] · keys_e
+     // at the selection's own row, then their weighted fp32 sums per token in bf16, and the dots
+     // of each row with its token's row of D (the routing-weight gradient).
+    std::vector<float> rows_ref(sels * es, 0.f);
+    CvmmSelection own = up;  // out: the selection itself
+    for (int64_t i = 0; i < sels; ++i) own.out_row[size_t(i)] = int32_t(i);
+    cvmm_forward(rows_ref.data(), X.data(), Wk.data(), static_cast<const float*>(nullptr), own, d, es, ws);
+    DeviceBuffer<bf16> rows(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
+    cuda::cvmm_rows(cuda::at_selections(plan_up.view()), {gX.get(), keys, nullptr, rows.get(), nullptr, nullptr, nullptr, d,
+                                                         es, false, false}, 0);
+    const std::vector<float> got_rows = to_float(rows.download());
+    EXPECT_LE(rel_error(got_rows, rows_ref), 1e-2) << "rows at their selections";
+    std::vector<float> sum_ref(n * es, 0.f), dw_ref(sels);
+    const auto D = random_bf16_values(n * es, rng, 1.0);
+    for (int64_t i = 0; i < sels; ++i)
+      for (int64_t c = 0; c < es; ++c) {
+        sum_ref[(i / k) * es + c] += w[i] * got_rows[i * es + c];
+        dw_ref[i] += D[(i / k) * es + c] * got_rows[i * es + c];
+      }
+    DeviceBuffer<bf16> sum(std::vector<bf16>(n * es, __float2bfloat16(NAN)));
+    cuda::cvmm_sum_selections(sum.get(), rows.get(), gw.get(), gindex.get(), n, k, es, 0);
+    EXPECT_LE(rel_error(to_float(sum.download()), sum_ref), 1e-2) << "weighted sums of the rows";
+    const DeviceBuffer<bf16> gD(to_bf16(D));
+    DeviceBuffer<float> dots(std::vector<float>(sels, NAN));
+    cuda::cvmm_selection_dots(dots.get(), rows.get(), gD.get(), gindex.get(), sels, k, es, 0);
+    EXPECT_LE(rel_error(dots.download(), dw_ref), 1e-4) << "dots of the rows";
   }
   {  // up backward: dX[t] += Σ dH[s] · keys_eᵀ, dKeys
     const auto dX_init = random_bf16_values(n * d, rng, 1.0), dWk_init = random_bf16_values(E * d * es, rng, 1.0);
@@ -244,6 +272,33 @@ TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
   DeviceBuffer<float> gdW(std::vector<float>(size_t(E * es * d), 0.f));
   cuda::cvmm_weight_grad(plan.view(true), {hidden.get(), gdY.get(), nullptr, true, gdW.get(), es, d, E}, 0);
   EXPECT_LE(rel_error(gdW.download(), dW_ref), 1e-2) << "weight gradient over hidden rows by position";
+
+  // Rows kept at their selections: other ranks' selections are never written (NaN here); the sums
+  // leave them out and their dots are 0.
+  DeviceBuffer<bf16> rows(std::vector<bf16>(size_t(sels * es), __float2bfloat16(NAN)));
+  cuda::cvmm_rows(cuda::at_selections(plan.view()), {gX.get(), gW.get(), nullptr, rows.get(), nullptr, nullptr, nullptr, d,
+                                                     es, false, false}, 0);
+  std::vector<float> w(static_cast<size_t>(sels)), sum_ref(size_t(n * es), 0.f), dw_ref(size_t(sels), 0.f);
+  for (float& v : w) v = float(rng.uniform());
+  const auto D = random_bf16_values(n * es, rng, 1.0);
+  std::vector<int64_t> live_index;  // the q-th live selection's index
+  for (int64_t i = 0; i < sels; ++i)
+    if (index[i] >= 0) live_index.push_back(i);
+  for (int64_t q = 0; q < live; ++q) {
+    const int64_t i = live_index[size_t(q)], p = mine.position[size_t(q)];
+    for (int64_t c = 0; c < es; ++c) {
+      sum_ref[(i / k) * es + c] += w[i] * got[p * es + c];
+      dw_ref[i] += D[(i / k) * es + c] * got[p * es + c];
+    }
+  }
+  const DeviceBuffer<float> gw(w);
+  const DeviceBuffer<bf16> gD(to_bf16(D));
+  DeviceBuffer<bf16> sum(std::vector<bf16>(size_t(n * es), __float2bfloat16(NAN)));
+  DeviceBuffer<float> dots(std::vector<float>(size_t(sels), NAN));
+  cuda::cvmm_sum_selections(sum.get(), rows.get(), gw.get(), gindex.get(), n, k, es, 0);
+  cuda::cvmm_selection_dots(dots.get(), rows.get(), gD.get(), gindex.get(), sels, k, es, 0);
+  EXPECT_LE(rel_error(to_float(sum.download()), sum_ref), 1e-2) << "sums of rows at selections, other ranks' left out";
+  EXPECT_LE(rel_error(dots.download(), dw_ref), 1e-4) << "dots of rows at selections, other ranks' 0";
 }
 
 }  // namespace
