@@ -135,6 +135,10 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   padded_routers_ = DeviceBuffer<bf16>(size_t(padded.size() * router_rows * d));
   MOEUT_CUDA_CHECK(cudaMemset(padded_routers_.get(), 0, padded_routers_.size() * sizeof(bf16)));
   for (size_t i = 0; i < padded.size(); ++i) padded_router_at_[padded[i]] = padded_routers_.get() + i * router_rows * d;
+  if (const int64_t ld = router_ld(cfg_.ff_n_experts); ld != cfg_.ff_n_experts) {
+    router_grads_padded_ = DeviceBuffer<float>(size_t(cfg_.group_size * ld * d));
+    MOEUT_CUDA_CHECK(cudaMemset(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float)));
+  }
   attention_ = std::make_unique<cuda::CausalAttention>(cublas_, batch, T, H, cfg_.d_head);
   reg_ffn_ = std::make_unique<cuda::EntropyReg>(batch, 1, cfg_.ff_n_experts);
   reg_att_ = std::make_unique<cuda::EntropyReg>(batch, H, cfg_.att_n_experts);
@@ -237,13 +241,15 @@ const bf16* GpuModel::router_weight(const std::string& weight) const {
   return copy != padded_router_at_.end() ? copy->second : wparam(weight);
 }
 
-void GpuModel::router_logits(const bf16* x, const std::string& weight, int64_t out, float* z) {
-  const int64_t N = B_ * cfg_.context, ld = router_ld(out);
-  if (ld == out) return dense(x, weight, N, out, 1.f, z, CUDA_R_32F);
-  // dz_ is free in the forward pass.
-  dense(x, weight, N, ld, 1.f, dz_.get(), CUDA_R_32F, ld, router_weight(weight));
-  MOEUT_CUDA_CHECK(cudaMemcpy2DAsync(z, size_t(out) * sizeof(float), dz_.get(), size_t(ld) * sizeof(float),
-                                     size_t(out) * sizeof(float), size_t(N), cudaMemcpyDeviceToDevice, stream_));
+void GpuModel::route(const bf16* x, const std::string& weight, int64_t groups, int64_t E, int64_t k, float* z,
+                     int32_t* index, float* w) {
+  const int64_t N = B_ * cfg_.context, out = groups * E, ld = router_ld(out);
+  mark(Part::kDense);
+  // A padded product writes into dz_ (free in the forward pass); the top-k packs its rows into z.
+  float* const logits = ld == out ? z : dz_.get();
+  dense(x, weight, N, ld, 1.f, logits, CUDA_R_32F, ld, router_weight(weight));
+  mark(Part::kRouting);
+  cuda::topk_sigmoid_forward(index, w, logits, N, groups, E, k, stream_, ld, ld == out ? nullptr : z);
 }
 
 void GpuModel::attention_forward(int64_t l) {
@@ -264,12 +270,8 @@ void GpuModel::attention_forward(int64_t l) {
   mark(Part::kAttention);
   cuda::rope_forward(L.q.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   cuda::rope_forward(L.k.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
-  mark(Part::kDense);
-  router_logits(xn_.get(), p + "attention.sel_v", H * Ea, L.zv.get());
-  router_logits(xn_.get(), p + "attention.sel_o", H * Ea, L.zo.get());
-  mark(Part::kRouting);
-  cuda::topk_sigmoid_forward(L.iv.get(), L.wv.get(), L.zv.get(), N, H, Ea, ka, stream_);
-  cuda::topk_sigmoid_forward(L.io.get(), L.wo.get(), L.zo.get(), N, H, Ea, ka, stream_);
+  route(xn_.get(), p + "attention.sel_v", H, Ea, ka, L.zv.get(), L.iv.get(), L.wv.get());
+  route(xn_.get(), p + "attention.sel_o", H, Ea, ka, L.zo.get(), L.io.get(), L.wo.get());
   mark(Part::kExperts);
   planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, stream_);
   planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, stream_);
@@ -291,10 +293,7 @@ void GpuModel::ffn_forward(int64_t l) {
   mark(Part::kOther);
   cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
                           wparam(p + "ln2.bias"), N, d, stream_, L.x_midb.get(), y);
-  mark(Part::kDense);
-  router_logits(xn_.get(), p + "ffn.expert_sel", Ef, L.z.get());
-  mark(Part::kRouting);
-  cuda::topk_sigmoid_forward(L.i_ff.get(), L.w_ff.get(), L.z.get(), N, 1, Ef, kf, stream_);
+  route(xn_.get(), p + "ffn.expert_sel", 1, Ef, kf, L.z.get(), L.i_ff.get(), L.w_ff.get());
   if (!dispatcher_) {
     mark(Part::kExperts);
     experts_forward(l, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, y);
@@ -385,6 +384,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
     }
     mark(Part::kOther);
     cuda::embedding_backward(gparam("embedding.weight"), dres_.get(), inputs_.get(), N, d, stream_);
+    fold_router_grads();
   }
   mark(Part::kCount);
   std::vector<float> rows(static_cast<size_t>(N));
@@ -409,6 +409,18 @@ void GpuModel::dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, f
                "dense weight gradient");
 }
 
+void GpuModel::fold_router_grads() {
+  if (router_grads_padded_.size() == 0) return;
+  const int64_t d = cfg_.d_model, Ef = cfg_.ff_n_experts, ld = router_ld(Ef);
+  const float one = 1.f;
+  mark(Part::kDense);
+  for (int64_t g = 0; g < cfg_.group_size; ++g)
+    check_cublas(cublasSaxpy(cublas_, int(Ef * d), &one, router_grads_padded_.get() + g * ld * d, 1,
+                             gparam(layer_prefix(g) + "ffn.expert_sel"), 1),
+                 "FFN router gradient");
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float), stream_));
+}
+
 void GpuModel::dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, float* dx) {
   const int64_t d = cfg_.d_model;
   const float one = 1.f, zero = 0.f;
@@ -421,12 +433,8 @@ void GpuModel::dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, in
 
 void GpuModel::routing_grad(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E,
                             int64_t k, bf16* dzb, int64_t ld) {
-  const int64_t N = B_ * cfg_.context, n = N * groups * E;
   mark(Part::kRouting);
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(dz_.get(), dz_reg, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-  cuda::topk_sigmoid_backward(dz_.get(), dw_.get(), index, w, N, groups, E, k, stream_);
-  mark(Part::kOther);
-  cuda::to_bf16_rows(dzb, ld, dz_.get(), N, groups * E, stream_);
+  cuda::topk_sigmoid_backward(dzb, ld, dz_reg, dw_.get(), index, w, B_ * cfg_.context, groups, E, k, stream_);
 }
 
 void GpuModel::ffn_backward(int64_t l) {
@@ -457,7 +465,8 @@ void GpuModel::ffn_backward(int64_t l) {
   const int64_t ld = router_ld(Ef);
   routing_grad(L.z.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, dzb_.get(), ld);
   mark(Part::kDense);
-  dense_weight_grad(dzb_.get(), ld, xn_.get(), gparam(p + "ffn.expert_sel"), N, Ef);
+  float* const dsel = ld == Ef ? gparam(p + "ffn.expert_sel") : router_grads_padded_.get() + (l % cfg_.group_size) * ld * d;
+  dense_weight_grad(dzb_.get(), ld, xn_.get(), dsel, N, ld);
   dense_input_grad(dzb_.get(), ld, router_weight(p + "ffn.expert_sel"), ld, N, dxn_.get());
   mark(Part::kOther);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),

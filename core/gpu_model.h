@@ -86,8 +86,8 @@ class GpuModel {
   // dW [out, d] += dyᵀ·x;  dx [rows, d] = dy[:, :k] · W [k, d].
   void dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, float* dW, int64_t rows, int64_t out);
   void dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, float* dx);
-  // The routing logits' gradient, dz = regulariser gradient + routing backward, into dz_ (fp32)
-  // and, in bf16, into dzb [rows, groups·E] with rows ld elements apart.
+  // The routing logits' gradient, dz = regulariser gradient + routing backward, in bf16 into dzb
+  // [rows, groups·E] with rows ld elements apart.
   void routing_grad(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E, int64_t k,
                     bf16* dzb, int64_t ld);
   // y's rows are y_ld elements apart (0: out_features); w: the weight's values when not the
@@ -101,9 +101,12 @@ class GpuModel {
   void copy_weights(bool training);
   // A router's weight: its padded copy when it has one, else the parameter.
   const bf16* router_weight(const std::string& weight) const;
-  // Routing logits z [N, out] = x·Wᵀ in fp32 (see router_ld).
-  void router_logits(const bf16* x, const std::string& weight, int64_t out, float* z);
+  // Routing: logits z [N, groups·E] = x·Wᵀ in fp32 (see router_ld), kept for the regularisers and
+  // the backward pass, and the top k of each group: index, w [N, groups, k].
+  void route(const bf16* x, const std::string& weight, int64_t groups, int64_t E, int64_t k, float* z, int32_t* index,
+             float* w);
   void mark(Part p);  // the work queued from here on belongs to p (kCount: none)
+  void fold_router_grads();
 
 
   ModelConfig cfg_;
@@ -128,6 +131,10 @@ class GpuModel {
   cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dz_, dheads_f32_;
   cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dv_;
   cuda::DeviceBuffer<bf16> padded_routers_;  // see copy_weights; zero past each router's rows
+  // The FFN routers' weight gradients on router_ld rows, when Ef is not a multiple of 8 (one per
+  // physical layer): cuBLAS's product on 565 rows took a slower sm80 kernel with a split-K pass.
+  // Added into the parameters' gradients at the end of each backward pass (fold_router_grads).
+  cuda::DeviceBuffer<float> router_grads_padded_;
   std::unordered_map<std::string, bf16*> padded_router_at_;
   // The gradients of the four products that read LN1's output, side by side in one matrix
   // [N, attn_in_ld_] (dq, dk, the value router's, the output router's; zero past them), and those

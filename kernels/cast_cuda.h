@@ -10,8 +10,5 @@ namespace moeut::cuda {
 
 // The bf16 copy of an fp32 tensor that the products read (the residual stream, its gradient).
 void to_bf16(__nv_bfloat16* out, const float* x, int64_t n, cudaStream_t stream);
-// The same for x [rows, cols] into rows `out_ld` elements apart; the rest of each row is left as it
-// is (the caller's padding, or other tensors' columns).
-void to_bf16_rows(__nv_bfloat16* out, int64_t out_ld, const float* x, int64_t rows, int64_t cols, cudaStream_t stream);
 
 }  // namespace moeut::cuda

@@ -15,25 +15,43 @@ __device__ __forceinline__ uint32_t order_key(float z) {
   return isnan(z) ? 0u : (u & 0x80000000u) ? ~u : u | 0x80000000u;
 }
 
-// One warp per (row, group); lane holds the keys of experts lane, lane + 32, ... in registers
-// (P >= E / 32 of them) and knows the best of those not yet taken. Each of the k rounds takes the
-// warp's largest key (ties to the lower expert index) with two warp reductions, and only the
-// lane that gave it looks again. (Measured against rounds of shuffled arg-max over the logits
-// and a bitwise k-th-largest search: docs/PERFORMANCE.md v12.)
+// The keys of a warp's row: lane holds experts lane, lane + 32, ... (P >= E / 32 slots); bit q
+// of the result marks slot q past E. The row's logits are copied to `packed` when given.
 template <int P>
-__global__ void __launch_bounds__(kWarps * 32) topk_kernel(int32_t* index, float* weight, const float* logits,
-                                                           int64_t rows, int E, int k) {
+__device__ __forceinline__ uint32_t load_keys(uint32_t (&key)[P], const float* z, float* packed, int lane, int E) {
+  uint32_t dead = 0;
+#pragma unroll
+  for (int q = 0; q < P; ++q) {
+    const int e = lane + 32 * q;
+    const bool live = e < E;
+    const float v = live ? z[e] : 0.f;
+    if (live && packed) packed[e] = v;
+    key[q] = live ? order_key(v) : 0u;
+    dead |= live ? 0u : 1u << q;
+  }
+  return dead;
+}
+
+// The row (r / groups, r % groups) of logits whose token rows are ld apart (without a division
+// when they are packed).
+__device__ __forceinline__ const float* row_logits(const float* logits, int64_t r, int groups, int64_t ld, int E) {
+  if (ld == int64_t(groups) * E) return logits + r * E;
+  return logits + (r / groups) * ld + (r % groups) * E;
+}
+
+// Small k: one warp per (row, group). Each lane knows the best of its keys not yet taken; each of
+// the k rounds takes the warp's largest key (ties to the lower expert index) with two warp
+// reductions, and only the lane that gave it looks again.
+template <int P>
+__global__ void __launch_bounds__(kWarps * 32) topk_rounds_kernel(int32_t* index, float* weight, const float* logits,
+                                                                  float* packed, int64_t rows, int groups, int64_t ld,
+                                                                  int E, int k) {
   const int lane = threadIdx.x % 32;
   const int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (r >= rows) return;
-  const float* z = logits + r * E;
-  uint32_t key[P], taken = 0;  // taken: slots already chosen, or past E
-#pragma unroll
-  for (int q = 0; q < P; ++q) {
-    const bool live = lane + 32 * q < E;
-    key[q] = live ? order_key(z[lane + 32 * q]) : 0u;
-    taken |= live ? 0u : 1u << q;
-  }
+  const float* z = row_logits(logits, r, groups, ld, E);
+  uint32_t key[P];
+  uint32_t taken = load_keys(key, z, packed ? packed + r * E : nullptr, lane, E);  // chosen, or past E
   uint32_t best = 0;
   int slot = -1;  // this lane's best untaken slot (the lower one on ties), -1 when none is left
   auto look = [&] {
@@ -59,35 +77,136 @@ __global__ void __launch_bounds__(kWarps * 32) topk_kernel(int32_t* index, float
   }
 }
 
-__global__ void topk_backward_kernel(float* dlogits, const float* dweight, const int32_t* index, const float* weight,
-                                     int64_t rows, int E, int k) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= rows * k) return;
-  const float w = weight[i];
-  dlogits[(i / k) * E + index[i]] += dweight[i] * w * (1.f - w);
+// Large k: one warp per (row, group). The k-th largest key is searched bit by bit from the top,
+// counting the keys at or above each candidate (one warp sum per bit), and the search stops as
+// soon as exactly k keys are at or above it (about 15 bits for Gaussian logits at E 565, k 24).
+// Ties at the k-th key go to the lower expert indices; the k chosen are then ranked (descending
+// key, ties to the lower index) through shared memory.
+template <int P>
+__global__ void __launch_bounds__(kWarps * 32) topk_search_kernel(int32_t* index, float* weight, const float* logits,
+                                                                  float* packed, int64_t rows, int groups, int64_t ld,
+                                                                  int E, int k) {
+  __shared__ uint32_t chosen_key[kWarps][32];
+  __shared__ int chosen_expert[kWarps][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t r = int64_t(blockIdx.x) * kWarps + warp;
+  if (r >= rows) return;
+  const float* z = row_logits(logits, r, groups, ld, E);
+  uint32_t key[P];
+  const uint32_t dead = load_keys(key, z, packed ? packed + r * E : nullptr, lane, E);
+  uint32_t prefix = 0;  // the k-th largest key, as far as its bits are known
+  bool exact = false;   // exactly k keys are at or above prefix
+  for (int b = 31; b >= 0; --b) {
+    const uint32_t candidate = prefix | 1u << b;  // above 0, so no dead slot counts
+    int count = 0;
+#pragma unroll
+    for (int q = 0; q < P; ++q) count += key[q] >= candidate;
+    count = int(__reduce_add_sync(0xffffffffu, unsigned(count)));
+    if (count >= k) {
+      prefix = candidate;
+      if (count == k) {
+        exact = true;
+        break;
+      }
+    }
+  }
+  uint32_t chosen = 0;  // bit q: slot q is among the k
+#pragma unroll
+  for (int q = 0; q < P; ++q)
+    if (!(dead >> q & 1u) && (exact ? key[q] >= prefix : key[q] > prefix)) chosen |= 1u << q;
+  if (!exact) {  // keys equal to the k-th fill the rest, lower expert index (slot, then lane) first
+    int need = k - int(__reduce_add_sync(0xffffffffu, unsigned(__popc(chosen))));
+    const uint32_t below = (1u << lane) - 1u;
+#pragma unroll
+    for (int q = 0; q < P; ++q) {
+      if (need <= 0) break;
+      const uint32_t tie = __ballot_sync(0xffffffffu, !(dead >> q & 1u) && key[q] == prefix);
+      if ((tie >> lane & 1u) && __popc(tie & below) < need) chosen |= 1u << q;
+      need -= __popc(tie);
+    }
+  }
+  int filled = 0;  // compact the k into shared memory, in slot-major order
+#pragma unroll
+  for (int q = 0; q < P; ++q) {
+    const uint32_t mask = __ballot_sync(0xffffffffu, chosen >> q & 1u);
+    if (chosen >> q & 1u) {
+      const int at = filled + __popc(mask & ((1u << lane) - 1u));
+      chosen_key[warp][at] = key[q];
+      chosen_expert[warp][at] = lane + 32 * q;
+    }
+    filled += __popc(mask);
+  }
+  __syncwarp();
+  if (lane < k) {
+    const uint32_t mine = chosen_key[warp][lane];
+    const int expert = chosen_expert[warp][lane];
+    int rank = 0;
+    for (int i = 0; i < k; ++i) {
+      const uint32_t other = chosen_key[warp][i];
+      rank += other > mine || (other == mine && chosen_expert[warp][i] < expert);
+    }
+    index[r * k + rank] = expert;
+    weight[r * k + rank] = 1.f / (1.f + __expf(-z[expert]));
+  }
+}
+
+// One warp per token row: the regulariser's gradient into the warp's part of shared memory, the
+// selected experts' terms added (distinct within a group, so without atomics), the row written in
+// bf16.
+__global__ void __launch_bounds__(kWarps * 32) topk_backward_kernel(__nv_bfloat16* dlogits, int64_t ld,
+                                                                    const float* dz_reg, const float* dweight,
+                                                                    const int32_t* index, const float* weight,
+                                                                    int64_t n, int groups, int E, int k) {
+  extern __shared__ float rows[];
+  const int lane = threadIdx.x % 32, cols = groups * E, picks = groups * k;
+  const int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (t >= n) return;
+  float* const row = rows + (threadIdx.x / 32) * cols;
+  for (int c = lane; c < cols; c += 32) row[c] = dz_reg[t * cols + c];
+  __syncwarp();
+  for (int j = lane; j < picks; j += 32) {
+    const int64_t i = t * picks + j;
+    const float w = weight[i];
+    row[(j / k) * E + index[i]] += dweight[i] * w * (1.f - w);
+  }
+  __syncwarp();
+  for (int c = lane; c < cols; c += 32) dlogits[t * ld + c] = __float2bfloat16(row[c]);
 }
 
 }  // namespace
 
 void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, int64_t n, int64_t groups, int64_t E,
-                          int64_t k, cudaStream_t stream) {
+                          int64_t k, cudaStream_t stream, int64_t ld, float* packed) {
   if (E > 32 * kMaxPerLane || k > 32 || k > E) throw std::invalid_argument("topk_sigmoid_forward: needs k <= E <= 1024, k <= 32");
+  if (ld == 0) ld = groups * E;
+  if (ld < groups * E) throw std::invalid_argument("topk_sigmoid_forward: logit rows ld apart need ld >= groups * E");
   const int64_t rows = n * groups;
   if (rows == 0) return;
-  // P: the logits a lane holds, at or above E / 32.
+  // P: the logits a lane holds, at or above E / 32. Rounds cost k passes over a lane's P keys,
+  // the search about 15: rounds for k up to 4 (attention's k 2: 0.022 against 0.050 ms at 1B,
+  // PERFORMANCE.md v12), the search above.
   with_ceiling<1, 2, 4, 8, 12, 16, 20, 24, 28, kMaxPerLane>((E + 31) / 32, [&](auto P) {
-    topk_kernel<P><<<unsigned((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(index, weight, logits, rows,
-                                                                                       int(E), int(k));
+    const unsigned blocks = unsigned((rows + kWarps - 1) / kWarps);
+    if (k <= 4)
+      topk_rounds_kernel<P><<<blocks, kWarps * 32, 0, stream>>>(index, weight, logits, packed, rows, int(groups), ld,
+                                                                int(E), int(k));
+    else
+      topk_search_kernel<P><<<blocks, kWarps * 32, 0, stream>>>(index, weight, logits, packed, rows, int(groups), ld,
+                                                                int(E), int(k));
   });
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-void topk_sigmoid_backward(float* dlogits, const float* dweight, const int32_t* index, const float* weight, int64_t n,
-                           int64_t groups, int64_t E, int64_t k, cudaStream_t stream) {
-  const int64_t total = n * groups * k;
-  if (total == 0) return;
-  topk_backward_kernel<<<unsigned((total + 255) / 256), 256, 0, stream>>>(dlogits, dweight, index, weight, n * groups,
-                                                                         int(E), int(k));
+void topk_sigmoid_backward(__nv_bfloat16* dlogits, int64_t ld, const float* dz_reg, const float* dweight,
+                           const int32_t* index, const float* weight, int64_t n, int64_t groups, int64_t E, int64_t k,
+                           cudaStream_t stream) {
+  if (n == 0) return;
+  const int64_t cols = groups * E;
+  if (ld < cols) throw std::invalid_argument("topk_sigmoid_backward: gradient rows ld apart need ld >= groups * E");
+  const size_t shared = size_t(kWarps * cols) * sizeof(float);
+  if (shared > 48 * 1024) throw std::invalid_argument("topk_sigmoid_backward: needs groups * E <= 1536");
+  topk_backward_kernel<<<unsigned((n + kWarps - 1) / kWarps), kWarps * 32, shared, stream>>>(
+      dlogits, ld, dz_reg, dweight, index, weight, n, int(groups), int(E), int(k));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 

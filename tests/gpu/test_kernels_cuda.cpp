@@ -103,28 +103,48 @@ TEST_F(GpuTest, RopeMatchesTheCpuReference) {
 }
 
 TEST_F(GpuTest, SigmoidTopKMatchesTheCpuReference) {
-  // coarse: logits on a grid of 0.5, so that many tie, at the k-th largest too.
-  struct Case { int64_t n, groups, E, k; bool coarse; };
-  for (const Case& c : {Case{4096, 1, 565, 24, false}, Case{1000, 6, 12, 2, false}, Case{300, 1, 40, 32, false},
-                        Case{500, 1, 1024, 32, false}, Case{777, 1, 387, 16, true}, Case{999, 6, 12, 2, true}}) {
-    SCOPED_TRACE("E " + std::to_string(c.E) + " k " + std::to_string(c.k) + (c.coarse ? " coarse" : ""));
+  // coarse: logits on a grid of 0.5, so that many tie, at the k-th largest too. k <= 4 takes the
+  // rounds kernel, larger k the bit search. pad: the logits' token rows are that many columns
+  // wider (a padded product's output), and the packed copy is checked; the gradient's bf16 rows
+  // are as much wider, their padding left as it was.
+  struct Case { int64_t n, groups, E, k; bool coarse; int64_t pad; };
+  for (const Case& c : {Case{4096, 1, 565, 24, false, 11}, Case{1000, 6, 12, 2, false, 0}, Case{300, 1, 40, 32, false, 0},
+                        Case{500, 1, 1024, 32, false, 0}, Case{777, 1, 387, 16, true, 5}, Case{999, 6, 12, 2, true, 8},
+                        Case{600, 2, 100, 8, true, 3}, Case{400, 1, 33, 5, false, 0}}) {
+    SCOPED_TRACE("E " + std::to_string(c.E) + " k " + std::to_string(c.k) + (c.coarse ? " coarse" : "") + " pad " +
+                 std::to_string(c.pad));
     Rng rng{uint64_t(c.E)};
-    std::vector<float> z(c.n * c.groups * c.E);
+    const int64_t cols = c.groups * c.E, ld = cols + c.pad;
+    std::vector<float> z(c.n * cols);
     for (auto& v : z) v = c.coarse ? float(std::round(2 * rng.normal()) / 2) : float(rng.normal());
-    for (int64_t i = 0; i < c.n; i += 7) z[i * c.groups * c.E + 1] = z[i * c.groups * c.E];  // ties
+    for (int64_t i = 0; i < c.n; i += 7) z[i * cols + 1] = z[i * cols];  // ties
+    std::vector<float> padded(c.n * ld, NAN);
+    for (int64_t t = 0; t < c.n; ++t) std::copy(z.begin() + t * cols, z.begin() + (t + 1) * cols, padded.begin() + t * ld);
     const int64_t sel = c.n * c.groups * c.k;
     std::vector<int32_t> idx(sel);
-    std::vector<float> w(sel), dw(sel), dz(z.size(), 0.f);
+    std::vector<float> w(sel), dw(sel), dz(z.size());
     for (auto& v : dw) v = float(rng.normal());
+    for (auto& v : dz) v = float(0.01 * rng.normal());  // the regulariser's gradient
+    const DeviceBuffer<float> gdz_reg(dz);
     topk_sigmoid_forward(idx.data(), w.data(), z.data(), c.n, c.groups, c.E, c.k);
     topk_sigmoid_backward(dz.data(), dw.data(), idx.data(), w.data(), c.n, c.groups, c.E, c.k);
-    DeviceBuffer<float> gz(z), gw(std::vector<float>(sel, NAN)), gdw(dw), gdz(std::vector<float>(z.size(), 0.f));
+    DeviceBuffer<float> gz(padded), gpacked(std::vector<float>(z.size(), NAN)), gw(std::vector<float>(sel, NAN)), gdw(dw);
     DeviceBuffer<int32_t> gidx(std::vector<int32_t>(sel, -1));
-    cuda::topk_sigmoid_forward(gidx.get(), gw.get(), gz.get(), c.n, c.groups, c.E, c.k, 0);
-    cuda::topk_sigmoid_backward(gdz.get(), gdw.get(), gidx.get(), gw.get(), c.n, c.groups, c.E, c.k, 0);
+    DeviceBuffer<bf16> gdz(to_bf16(std::vector<float>(c.n * ld, 7.f)));
+    cuda::topk_sigmoid_forward(gidx.get(), gw.get(), gz.get(), c.n, c.groups, c.E, c.k, 0, ld, c.pad ? gpacked.get() : nullptr);
+    cuda::topk_sigmoid_backward(gdz.get(), ld, gdz_reg.get(), gdw.get(), gidx.get(), gw.get(), c.n, c.groups, c.E, c.k, 0);
     EXPECT_EQ(gidx.download(), idx) << "indices";
     EXPECT_LE(rel_error(gw.download(), w), 1e-6) << "weights";
-    EXPECT_LE(rel_error(gdz.download(), dz), 1e-6) << "logit gradient";
+    if (c.pad) {
+      EXPECT_EQ(gpacked.download(), z) << "packed logits";
+    }
+    const std::vector<float> got = to_float(gdz.download());
+    std::vector<float> rows, expected = to_float(to_bf16(dz));
+    for (int64_t t = 0; t < c.n; ++t) {
+      rows.insert(rows.end(), got.begin() + t * ld, got.begin() + t * ld + cols);
+      for (int64_t j = cols; j < ld; ++j) ASSERT_EQ(got[t * ld + j], 7.f) << "padding of row " << t;
+    }
+    EXPECT_LE(rel_error(rows, expected), 4e-3) << "logit gradient (bf16)";
   }
 }
 
