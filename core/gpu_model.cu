@@ -104,7 +104,8 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   reg_loss_ = DeviceBuffer<double>(2);
   for (auto* b : {&dres_, &dxn_, &dxf_}) *b = DeviceBuffer<float>(size_t(N * d));
   dw_ = DeviceBuffer<float>(size_t(N * std::max(kf, hk)));
-  const int64_t router_rows = router_ld(std::max(cfg_.ff_n_experts, he));  // padded rows: see router_ld
+  // Padded rows (see router_ld): the FFN router, and the attention's two routers in one product.
+  const int64_t router_rows = router_ld(std::max(cfg_.ff_n_experts, 2 * he));
   dz_ = DeviceBuffer<float>(size_t(N * router_rows));
   dzb_ = DeviceBuffer<bf16>(size_t(N * router_rows));
   MOEUT_CUDA_CHECK(cudaMemset(dzb_.get(), 0, dzb_.size() * sizeof(bf16)));  // its padding stays zero
@@ -122,11 +123,11 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   attn_in_weights_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * attn_in_ld_ * d));
   MOEUT_CUDA_CHECK(cudaMemset(attn_in_grad_.get(), 0, attn_in_grad_.size() * sizeof(bf16)));
   MOEUT_CUDA_CHECK(cudaMemset(attn_in_weights_.get(), 0, attn_in_weights_.size() * sizeof(bf16)));
-  std::vector<std::string> padded;  // routers needing a padded copy
+  std::vector<std::pair<std::string, int64_t>> padded;  // router products needing a padded copy: first weight, rows
   for (int64_t g = 0; g < cfg_.group_size; ++g) {
     const std::string p = layer_prefix(g);
-    for (const auto& [name, out] : {std::pair{p + "ffn.expert_sel", cfg_.ff_n_experts}, {p + "attention.sel_v", he}, {p + "attention.sel_o", he}})
-      if (router_ld(out) != out) padded.push_back(name);
+    for (const auto& [name, out] : {std::pair{p + "ffn.expert_sel", cfg_.ff_n_experts}, {p + "attention.sel_v", 2 * he}})
+      if (router_ld(out) != out) padded.emplace_back(name, out);
     // q/k and the two routers are stacked by one copy each (see copy_weights)
     if (layout_.at(p + "attention.k.weight").offset != layout_.at(p + "attention.q.weight").offset + hd * d ||
         layout_.at(p + "attention.sel_o").offset != layout_.at(p + "attention.sel_v").offset + he * d)
@@ -134,7 +135,8 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   }
   padded_routers_ = DeviceBuffer<bf16>(size_t(padded.size() * router_rows * d));
   MOEUT_CUDA_CHECK(cudaMemset(padded_routers_.get(), 0, padded_routers_.size() * sizeof(bf16)));
-  for (size_t i = 0; i < padded.size(); ++i) padded_router_at_[padded[i]] = padded_routers_.get() + i * router_rows * d;
+  for (size_t i = 0; i < padded.size(); ++i)
+    padded_router_at_[padded[i].first] = {padded_routers_.get() + i * router_rows * d, padded[i].second};
   if (const int64_t ld = router_ld(cfg_.ff_n_experts); ld != cfg_.ff_n_experts) {
     router_grads_padded_ = DeviceBuffer<float>(size_t(cfg_.group_size * ld * d));
     MOEUT_CUDA_CHECK(cudaMemset(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float)));
@@ -219,11 +221,9 @@ void GpuModel::dense(const bf16* x, const std::string& weight, int64_t rows, int
 
 void GpuModel::copy_weights(bool training) {
   const int64_t d = cfg_.d_model;
-  for (const auto& [name, copy] : padded_router_at_) {
-    const TensorSpec& t = layout_.at(name);
-    MOEUT_CUDA_CHECK(cudaMemcpyAsync(copy, working_.get() + t.offset, size_t(t.numel) * sizeof(bf16),
+  for (const auto& [name, copy] : padded_router_at_)
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(copy.first, wparam(name), size_t(copy.second * d) * sizeof(bf16),
                                      cudaMemcpyDeviceToDevice, stream_));
-  }
   if (!training) return;
   const int64_t hd = cfg_.n_heads * cfg_.d_head, he = cfg_.n_heads * cfg_.att_n_experts;
   for (int64_t g = 0; g < cfg_.group_size; ++g) {
@@ -238,18 +238,25 @@ void GpuModel::copy_weights(bool training) {
 
 const bf16* GpuModel::router_weight(const std::string& weight) const {
   const auto copy = padded_router_at_.find(weight);
-  return copy != padded_router_at_.end() ? copy->second : wparam(weight);
+  return copy != padded_router_at_.end() ? copy->second.first : wparam(weight);
 }
 
-void GpuModel::route(const bf16* x, const std::string& weight, int64_t groups, int64_t E, int64_t k, float* z,
-                     int32_t* index, float* w) {
-  const int64_t N = B_ * cfg_.context, out = groups * E, ld = router_ld(out);
+void GpuModel::route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers) {
+  int64_t out = 0;
+  for (const Routing& r : routers) out += r.groups * r.E;
+  const int64_t N = B_ * cfg_.context, ld = router_ld(out);
+  // One router on unpadded rows writes its own z; otherwise the product goes into dz_ (free in
+  // the forward pass) and each top-k packs its router's columns into z.
+  const bool direct = routers.size() == 1 && ld == out;
+  float* const logits = direct ? routers.begin()->z : dz_.get();
   mark(Part::kDense);
-  // A padded product writes into dz_ (free in the forward pass); the top-k packs its rows into z.
-  float* const logits = ld == out ? z : dz_.get();
   dense(x, weight, N, ld, 1.f, logits, CUDA_R_32F, ld, router_weight(weight));
   mark(Part::kRouting);
-  cuda::topk_sigmoid_forward(index, w, logits, N, groups, E, k, stream_, ld, ld == out ? nullptr : z);
+  int64_t column = 0;
+  for (const Routing& r : routers) {
+    cuda::topk_sigmoid_forward(r.index, r.w, logits + column, N, r.groups, r.E, r.k, stream_, ld, direct ? nullptr : r.z);
+    column += r.groups * r.E;
+  }
 }
 
 void GpuModel::attention_forward(int64_t l) {
@@ -270,8 +277,9 @@ void GpuModel::attention_forward(int64_t l) {
   mark(Part::kAttention);
   cuda::rope_forward(L.q.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   cuda::rope_forward(L.k.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
-  route(xn_.get(), p + "attention.sel_v", H, Ea, ka, L.zv.get(), L.iv.get(), L.wv.get());
-  route(xn_.get(), p + "attention.sel_o", H, Ea, ka, L.zo.get(), L.io.get(), L.wo.get());
+  // The value and output routers (adjacent in the layout) in one product.
+  route(xn_.get(), p + "attention.sel_v", {{H, Ea, ka, L.zv.get(), L.iv.get(), L.wv.get()},
+                                           {H, Ea, ka, L.zo.get(), L.io.get(), L.wo.get()}});
   mark(Part::kExperts);
   planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, stream_);
   planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, stream_);
@@ -293,7 +301,7 @@ void GpuModel::ffn_forward(int64_t l) {
   mark(Part::kOther);
   cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
                           wparam(p + "ln2.bias"), N, d, stream_, L.x_midb.get(), y);
-  route(xn_.get(), p + "ffn.expert_sel", 1, Ef, kf, L.z.get(), L.i_ff.get(), L.w_ff.get());
+  route(xn_.get(), p + "ffn.expert_sel", {{1, Ef, kf, L.z.get(), L.i_ff.get(), L.w_ff.get()}});
   if (!dispatcher_) {
     mark(Part::kExperts);
     experts_forward(l, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, y);

@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 
 #include <array>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -99,12 +100,20 @@ class GpuModel {
   // not a multiple of 8, padded to router_ld rows (see router_ld); and, when training, the four
   // products that read LN1's output, stacked as attn_in_weights_.
   void copy_weights(bool training);
-  // A router's weight: its padded copy when it has one, else the parameter.
+  // A router's weight (from `weight` on, for the routers that route() multiplies together): its
+  // padded copy when it has one, else the parameter.
   const bf16* router_weight(const std::string& weight) const;
-  // Routing: logits z [N, groups·E] = x·Wᵀ in fp32 (see router_ld), kept for the regularisers and
-  // the backward pass, and the top k of each group: index, w [N, groups, k].
-  void route(const bf16* x, const std::string& weight, int64_t groups, int64_t E, int64_t k, float* z, int32_t* index,
-             float* w);
+  // One router's outputs: logits z [N, groups·E] (kept for the regularisers and the backward
+  // pass) and the top k of each group, index and w [N, groups, k].
+  struct Routing {
+    int64_t groups, E, k;
+    float* z;
+    int32_t* index;
+    float* w;
+  };
+  // Routing by routers whose weights lie one after another from `weight`: one product x·Wᵀ for
+  // all of them, in fp32 (see router_ld), then each one's top k.
+  void route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers);
   void mark(Part p);  // the work queued from here on belongs to p (kCount: none)
   void fold_router_grads();
 
@@ -135,7 +144,7 @@ class GpuModel {
   // physical layer): cuBLAS's product on 565 rows took a slower sm80 kernel with a split-K pass.
   // Added into the parameters' gradients at the end of each backward pass (fold_router_grads).
   cuda::DeviceBuffer<float> router_grads_padded_;
-  std::unordered_map<std::string, bf16*> padded_router_at_;
+  std::unordered_map<std::string, std::pair<bf16*, int64_t>> padded_router_at_;  // copy, rows copied
   // The gradients of the four products that read LN1's output, side by side in one matrix
   // [N, attn_in_ld_] (dq, dk, the value router's, the output router's; zero past them), and those
   // products' weights stacked to match [attn_in_ld_, d] per physical layer: their input gradient

@@ -36,7 +36,8 @@ __device__ __forceinline__ uint32_t load_keys(uint32_t (&key)[P], const float* z
 // when they are packed).
 __device__ __forceinline__ const float* row_logits(const float* logits, int64_t r, int groups, int64_t ld, int E) {
   if (ld == int64_t(groups) * E) return logits + r * E;
-  return logits + (r / groups) * ld + (r % groups) * E;
+  const uint32_t token = uint32_t(r) / uint32_t(groups);  // rows < 2^32, checked by the launcher
+  return logits + int64_t(token) * ld + int64_t(uint32_t(r) - token * uint32_t(groups)) * E;
 }
 
 // Small k: one warp per (row, group). Each lane knows the best of its keys not yet taken; each of
@@ -182,6 +183,7 @@ void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, in
   if (ld < groups * E) throw std::invalid_argument("topk_sigmoid_forward: logit rows ld apart need ld >= groups * E");
   const int64_t rows = n * groups;
   if (rows == 0) return;
+  if (rows >= int64_t(1) << 32) throw std::invalid_argument("topk_sigmoid_forward: needs n * groups < 2^32");
   // P: the logits a lane holds, at or above E / 32. Rounds cost k passes over a lane's P keys,
   // the search about 15: rounds for k up to 4 (attention's k 2: 0.022 against 0.050 ms at 1B,
   // PERFORMANCE.md v12), the search above.
