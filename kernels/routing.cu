@@ -80,7 +80,8 @@ __global__ void __launch_bounds__(kWarps * 32) topk_rounds_kernel(int32_t* index
 
 // Large k: one warp per (row, group). The k-th largest key is searched bit by bit from the top,
 // counting the keys at or above each candidate (one warp sum per bit), and the search stops as
-// soon as exactly k keys are at or above it (about 15 bits for Gaussian logits at E 565, k 24).
+// soon as exactly k keys are at or above it (usually long before the last bit: the k-th and
+// (k+1)-th largest logits rarely share many leading bits).
 // Ties at the k-th key go to the lower expert indices; the k chosen are then ranked (descending
 // key, ties to the lower index) through shared memory.
 template <int P>
@@ -185,8 +186,9 @@ void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, in
   if (rows == 0) return;
   if (rows >= int64_t(1) << 32) throw std::invalid_argument("topk_sigmoid_forward: needs n * groups < 2^32");
   // P: the logits a lane holds, at or above E / 32. Rounds cost k passes over a lane's P keys,
-  // the search about 15: rounds for k up to 4 (attention's k 2: 0.022 against 0.050 ms at 1B,
-  // PERFORMANCE.md v12), the search above.
+  // the search one per bit it needs: rounds for k up to 4 (attention's k 2: 0.022 against 0.050
+  // ms for a full 32-bit search at 1B, PERFORMANCE.md v12), the search above (FFN k 24: 0.091
+  // against 0.107 ms, v20).
   with_ceiling<1, 2, 4, 8, 12, 16, 20, 24, 28, kMaxPerLane>((E + 31) / 32, [&](auto P) {
     const unsigned blocks = unsigned((rows + kWarps - 1) / kWarps);
     if (k <= 4)
