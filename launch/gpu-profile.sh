@@ -3,13 +3,18 @@
 # gpu__time_duration, so each kernel runs once under the profiler), summed by kernel name.
 # Usage: launch/gpu-profile.sh CONFIG BATCH [LAYERS]
 #   LAYERS (optional) replaces n_layers, so a 1B-wide model profiles in a few hundred launches.
+# BIN (environment): the folder holding moeut-bench and its source.txt (default build-gpu's; a
+# folder that launch/gpu-pack.sh filled, such as gpu-compare.sh's build-b, works too).
 # Writes $OUT/profile_<name>.csv (raw) and prints the table, largest first.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/moeut-gpu-profile}
 mkdir -p "$out"
 . "$root/launch/gpu-step.sh"
-show_source "$root/build-gpu"
+bin=${BIN:-$root/build-gpu}
+bench=$bin/moeut-bench
+[ -x "$bench" ] || bench=$bin/launch/moeut-bench
+show_source "$bin"
 config=$1 batch=$2 layers=${3:-}
 name=$(basename "$config" .cfg)_b$batch${layers:+_l$layers}
 cfg=$out/$name.cfg
@@ -18,7 +23,7 @@ cp "$config" "$cfg"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
 # One warm-up step, then one step whose training work (not its forward-only pass) is profiled.
 "$ncu" --profile-from-start off --metrics gpu__time_duration.sum --csv --clock-control none --log-file "$out/profile_$name.csv" \
-  "$root/build-gpu/launch/moeut-bench" --config "$cfg" --batch "$batch" --steps 1 --warmup 1 > "$out/profile_$name.log"
+  "$bench" --config "$cfg" --batch "$batch" --steps 1 --warmup 1 > "$out/profile_$name.log"
 python3 - "$out/profile_$name.csv" <<'EOF'
 import csv, sys, collections, re
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
