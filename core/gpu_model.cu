@@ -106,7 +106,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   dw_ = DeviceBuffer<float>(size_t(N * std::max(kf, hk)));
   // Padded rows (see router_ld): the FFN router, and the attention's two routers in one product.
   const int64_t router_rows = router_ld(std::max(cfg_.ff_n_experts, 2 * he));
-  dz_ = DeviceBuffer<float>(size_t(N * router_rows));
+  router_logits_ = DeviceBuffer<float>(size_t(N * router_rows));
   dzb_ = DeviceBuffer<bf16>(size_t(N * router_rows));
   MOEUT_CUDA_CHECK(cudaMemset(dzb_.get(), 0, dzb_.size() * sizeof(bf16)));  // its padding stays zero
   dheads_f32_ = DeviceBuffer<float>(size_t(N * hd));
@@ -245,10 +245,10 @@ void GpuModel::route(const bf16* x, const std::string& weight, std::initializer_
   int64_t out = 0;
   for (const Routing& r : routers) out += r.groups * r.E;
   const int64_t N = B_ * cfg_.context, ld = router_ld(out);
-  // One router on unpadded rows writes its own z; otherwise the product goes into dz_ (free in
-  // the forward pass) and each top-k packs its router's columns into z.
+  // One router on unpadded rows writes its own z; otherwise the product goes into router_logits_
+  // and each top-k packs its router's columns into z.
   const bool direct = routers.size() == 1 && ld == out;
-  float* const logits = direct ? routers.begin()->z : dz_.get();
+  float* const logits = direct ? routers.begin()->z : router_logits_.get();
   mark(Part::kDense);
   dense(x, weight, N, ld, 1.f, logits, CUDA_R_32F, ld, router_weight(weight));
   mark(Part::kRouting);

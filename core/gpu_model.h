@@ -137,9 +137,12 @@ class GpuModel {
   cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_;
   cuda::DeviceBuffer<bf16> v_;  // the layer's values [N, H·dh], summed from its value experts' rows
   // Backward scratch, shared by the layers.
-  cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dz_, dheads_f32_;
+  cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dheads_f32_;
   cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dv_;
   cuda::DeviceBuffer<bf16> padded_routers_;  // see copy_weights; zero past each router's rows
+  // A router product's output, rows router_ld apart, before each top-k packs its router's
+  // columns into that router's z (see route).
+  cuda::DeviceBuffer<float> router_logits_;
   // The FFN routers' weight gradients on router_ld rows, when Ef is not a multiple of 8 (one per
   // physical layer): cuBLAS's product on 565 rows took a slower sm80 kernel with a split-K pass.
   // Added into the parameters' gradients at the end of each backward pass (fold_router_grads).
