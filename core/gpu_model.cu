@@ -417,13 +417,18 @@ void GpuModel::dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, f
                "dense weight gradient");
 }
 
+float* GpuModel::ffn_router_grad(int64_t group) const {
+  const std::string weight = layer_prefix(group) + "ffn.expert_sel";
+  if (router_grads_padded_.size() == 0) return gparam(weight);
+  return router_grads_padded_.get() + group * router_ld(cfg_.ff_n_experts) * cfg_.d_model;
+}
+
 void GpuModel::fold_router_grads() {
   if (router_grads_padded_.size() == 0) return;
-  const int64_t d = cfg_.d_model, Ef = cfg_.ff_n_experts, ld = router_ld(Ef);
   const float one = 1.f;
   mark(Part::kDense);
   for (int64_t g = 0; g < cfg_.group_size; ++g)
-    check_cublas(cublasSaxpy(cublas_, int(Ef * d), &one, router_grads_padded_.get() + g * ld * d, 1,
+    check_cublas(cublasSaxpy(cublas_, int(cfg_.ff_n_experts * cfg_.d_model), &one, ffn_router_grad(g), 1,
                              gparam(layer_prefix(g) + "ffn.expert_sel"), 1),
                  "FFN router gradient");
   MOEUT_CUDA_CHECK(cudaMemsetAsync(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float), stream_));
@@ -473,8 +478,7 @@ void GpuModel::ffn_backward(int64_t l) {
   const int64_t ld = router_ld(Ef);
   routing_grad(L.z.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, dzb_.get(), ld);
   mark(Part::kDense);
-  float* const dsel = ld == Ef ? gparam(p + "ffn.expert_sel") : router_grads_padded_.get() + (l % cfg_.group_size) * ld * d;
-  dense_weight_grad(dzb_.get(), ld, xn_.get(), dsel, N, ld);
+  dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(l % cfg_.group_size), N, ld);
   dense_input_grad(dzb_.get(), ld, router_weight(p + "ffn.expert_sel"), ld, N, dxn_.get());
   mark(Part::kOther);
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
