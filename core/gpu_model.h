@@ -131,8 +131,9 @@ class GpuModel {
   std::vector<cuda::DeviceBuffer<float>> xs_;  // residual entering each layer, and the final one
   std::vector<Layer> layers_;
   cuda::DeviceBuffer<bf16> xf_;                // output LayerNorm
-  // A layer's LayerNorm output (bf16), for the products that read it; the backward pass
-  // recomputes it from the kept fp32 input and statistics instead of keeping one per layer.
+  // A layer's LayerNorm output (bf16), for the products that read it; in the backward pass the
+  // LayerNorm backward writes it again from the kept fp32 input and statistics, for the weight
+  // gradients that follow it, instead of keeping one per layer.
   cuda::DeviceBuffer<bf16> xn_;
   cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_;
   cuda::DeviceBuffer<bf16> v_;  // the layer's values [N, H·dh], summed from its value experts' rows
