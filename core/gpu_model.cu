@@ -117,7 +117,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
     recv_dw_ = DeviceBuffer<float>(size_t(M * kf));
     recv_dy_ = DeviceBuffer<bf16>(size_t(M * d));
   }
-  for (auto* b : {&dheads_, &dv_}) *b = DeviceBuffer<bf16>(size_t(N * hd));
+  dv_ = DeviceBuffer<bf16>(size_t(N * hd));
   attn_in_ld_ = (2 * hd + 2 * he + 7) / 8 * 8;  // rows 16-byte multiples, for cuBLAS's aligned kernels
   attn_in_grad_ = DeviceBuffer<bf16>(size_t(N * attn_in_ld_));
   attn_in_weights_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * attn_in_ld_ * d));
@@ -529,8 +529,6 @@ void GpuModel::attention_backward(int64_t l) {
   bf16* const dz_v = dq + 2 * hd;
   bf16* const dz_o = dz_v + H * Ea;
   routing_grad(L.zo.get(), L.io.get(), L.wo.get(), H, Ea, ka, dz_o, attn_in_ld_);
-  mark(Part::kOther);
-  cuda::to_bf16(dheads_.get(), dheads_f32_.get(), N * hd, stream_);
   mark(Part::kAttention);
   // q and k were scaled by s in the forward pass: dq and dk come scaled alike, the gradients of
   // the products before the scale.
@@ -538,7 +536,7 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kExperts);
   cuda::cvmm_sum_selections(v_.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
   mark(Part::kAttention);
-  attention_->backward(dq, dk, dv_.get(), dheads_.get(), L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), v_.get(),
+  attention_->backward(dq, dk, dv_.get(), dheads_f32_.get(), L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), v_.get(),
                        stream_, attn_in_ld_, s);
   // Value experts read the raw residual: their input gradient adds onto dres. Their routing-weight
   // gradient dots dv with each selection's kept row.

@@ -139,7 +139,7 @@ class GpuModel {
   cuda::DeviceBuffer<bf16> v_;  // the layer's values [N, H·dh], summed from its value experts' rows
   // Backward scratch, shared by the layers.
   cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dheads_f32_;
-  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dv_;
+  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dv_;
   cuda::DeviceBuffer<bf16> padded_routers_;  // see copy_weights; zero past each router's rows
   // A router product's output, rows router_ld apart, before each top-k packs its router's
   // columns into that router's z (see route).

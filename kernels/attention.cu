@@ -3,6 +3,7 @@
 #include <string>
 
 #include "kernels/attention_cuda.h"
+#include "kernels/cast_cuda.h"
 #include "kernels/cuda_check.h"
 #include "kernels/with_ceiling.h"
 #include "kernels/lane_reduce.cuh"
@@ -415,14 +416,34 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
 }
 
 // ---- Flash-style backward ----
-// D[bh, t] = Σ_d dO[t, d] · O[t, d]: the row term of the softmax gradient. One warp per row.
-__global__ void flash_row_dots(float* D, const bf16* dout, const bf16* out, int64_t rows, int T, int H, int dh) {
+// dO in bf16 from its fp32 values, and D[bh, t] = Σ_d dO[t, d] · O[t, d] (the row term of the
+// softmax gradient, over the rounded dO that the flash backward reads) in the same pass. One warp
+// per row; four columns at a time when `quads` (dh and H·dh multiples of 4).
+__global__ void output_grad_rows(float* D, bf16* dout, const float* dout_f32, const bf16* out, int64_t rows, int T,
+                                 int H, int dh, bool quads) {
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (r >= rows) return;
   const int64_t bh = r / T, t = r % T, b = bh / H, h = bh % H;
   const int64_t at = (b * T + t) * int64_t(H) * dh + h * dh;
   float sum = 0.f;
-  for (int d = threadIdx.x % 32; d < dh; d += 32) sum += __bfloat162float(dout[at + d]) * __bfloat162float(out[at + d]);
+  if (quads) {
+    for (int d = 4 * (threadIdx.x % 32); d < dh; d += 128) {
+      const float4 g = *reinterpret_cast<const float4*>(dout_f32 + at + d);
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(g.x, g.y), hi = __floats2bfloat162_rn(g.z, g.w);
+      __nv_bfloat162* to = reinterpret_cast<__nv_bfloat162*>(dout + at + d);
+      to[0] = lo, to[1] = hi;
+      const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(out + at + d);
+      const float2 glo = __bfloat1622float2(lo), ghi = __bfloat1622float2(hi);
+      const float2 olo = __bfloat1622float2(o[0]), ohi = __bfloat1622float2(o[1]);
+      sum += glo.x * olo.x + glo.y * olo.y + ghi.x * ohi.x + ghi.y * ohi.y;
+    }
+  } else {
+    for (int d = threadIdx.x % 32; d < dh; d += 32) {
+      const bf16 g = __float2bfloat16(dout_f32[at + d]);
+      dout[at + d] = g;
+      sum += __bfloat162float(g) * __bfloat162float(out[at + d]);
+    }
+  }
   sum = warp_sum(sum);
   if (threadIdx.x % 32 == 0) D[r] = sum;
 }
@@ -665,6 +686,7 @@ void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, 
 
 CausalAttention::CausalAttention(cublasHandle_t cublas, int64_t B, int64_t T, int64_t H, int64_t dh)
     : cublas_(cublas), capacity_(B), B_(B), T_(T), H_(H), dh_(dh) {
+  dout_ = DeviceBuffer<bf16>(size_t(B * T * H * dh));
   if (flash()) {
     row_dots_ = DeviceBuffer<float>(size_t(B * H * T));
     dq_acc_ = DeviceBuffer<float>(size_t(B * T * H * dh));
@@ -707,7 +729,7 @@ void CausalAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* 
             probs_.get() + b * H_ * tt, T_, tt, out + b * seq, CUDA_R_16BF, ld, dh_, H_);
 }
 
-void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* out, const float* lse,
+void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const float* dout, const bf16* out, const float* lse,
                                const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream, int64_t grad_ld,
                                float grad_scale) {
   if (B_ == 0) return;
@@ -715,13 +737,15 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, c
   if (grad_ld < H_ * dh_) throw std::invalid_argument("CausalAttention: gradient rows narrower than the heads");
   if (flash()) {
     const int64_t rows = B_ * H_ * T_, n = B_ * T_ * H_ * dh_;
-    flash_row_dots<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(row_dots_.get(), dout, out, rows, int(T_), int(H_),
-                                                                 int(dh_));
+    const bool dout_quads = dh_ % 4 == 0 && reinterpret_cast<uintptr_t>(dout) % 16 == 0 &&
+                            reinterpret_cast<uintptr_t>(out) % 8 == 0;
+    output_grad_rows<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(row_dots_.get(), dout_.get(), dout, out, rows,
+                                                                   int(T_), int(H_), int(dh_), dout_quads);
     MOEUT_CUDA_CHECK(cudaGetLastError());
     MOEUT_CUDA_CHECK(cudaMemsetAsync(dq_acc_.get(), 0, size_t(n) * sizeof(float), stream));
     with_ceiling<32, 64, 96, 128>(dh_, [&](auto kD) {
-      launch_flash_backward<kD>(dk, dv, dq_acc_.get(), dout, lse, row_dots_.get(), q, k, v, B_, T_, H_, dh_, grad_ld,
-                                grad_scale, stream);
+      launch_flash_backward<kD>(dk, dv, dq_acc_.get(), dout_.get(), lse, row_dots_.get(), q, k, v, B_, T_, H_, dh_,
+                                grad_ld, grad_scale, stream);
     });
     const int64_t tokens = B_ * T_, hd = H_ * dh_;
     const bool quads = hd % 4 == 0 && grad_ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq) % 8 == 0;
@@ -732,12 +756,13 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, c
   }
   scores_and_probs(q, k, stream);
   const int64_t ld = H_ * dh_, seq = T_ * ld, tt = T_ * T_;
+  to_bf16(dout_.get(), dout, B_ * seq, stream);
   float* dP = scores_.get();
   for (int64_t b = 0; b < B_; ++b) {
     // dP = dO Vᵀ (as S); dV = Pᵀ dO  <=>  dVᵀ(cm) = dOᵀ(cm) · P(cm)
-    batched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, T_, T_, dh_, v + b * seq, CUDA_R_16BF, ld, dh_, dout + b * seq, ld, dh_,
+    batched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, T_, T_, dh_, v + b * seq, CUDA_R_16BF, ld, dh_, dout_.get() + b * seq, ld, dh_,
             dP + b * H_ * tt, CUDA_R_32F, T_, tt, H_);
-    batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, dh_, T_, T_, dout + b * seq, CUDA_R_16BF, ld, dh_,
+    batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, dh_, T_, T_, dout_.get() + b * seq, CUDA_R_16BF, ld, dh_,
             probs_.get() + b * H_ * tt, T_, tt, dv + b * seq, CUDA_R_16BF, ld, dh_, H_);
   }
   const int64_t rows = B_ * H_ * T_;
