@@ -417,13 +417,18 @@ void GpuModel::dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, f
                "dense weight gradient");
 }
 
+float* GpuModel::ffn_router_grad(int64_t group) const {
+  const std::string weight = layer_prefix(group) + "ffn.expert_sel";
+  if (router_grads_padded_.size() == 0) return gparam(weight);
+  return router_grads_padded_.get() + group * router_ld(cfg_.ff_n_experts) * cfg_.d_model;
+}
+
 void GpuModel::fold_router_grads() {
   if (router_grads_padded_.size() == 0) return;
-  const int64_t d = cfg_.d_model, Ef = cfg_.ff_n_experts, ld = router_ld(Ef);
   const float one = 1.f;
   mark(Part::kDense);
   for (int64_t g = 0; g < cfg_.group_size; ++g)
-    check_cublas(cublasSaxpy(cublas_, int(Ef * d), &one, router_grads_padded_.get() + g * ld * d, 1,
+    check_cublas(cublasSaxpy(cublas_, int(cfg_.ff_n_experts * cfg_.d_model), &one, ffn_router_grad(g), 1,
                              gparam(layer_prefix(g) + "ffn.expert_sel"), 1),
                  "FFN router gradient");
   MOEUT_CUDA_CHECK(cudaMemsetAsync(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float), stream_));
@@ -478,8 +483,7 @@ void GpuModel::ffn_backward(int64_t l) {
                            wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_, dresb_.get(),
                            wparam(p + "ln2.bias"), xn_.get());
   mark(Part::kDense);
-  float* const dsel = ld == Ef ? gparam(p + "ffn.expert_sel") : router_grads_padded_.get() + (l % cfg_.group_size) * ld * d;
-  dense_weight_grad(dzb_.get(), ld, xn_.get(), dsel, N, ld);
+  dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(l % cfg_.group_size), N, ld);
 }
 
 void GpuModel::experts_backward(int64_t l, const bf16* dY, const bf16* X, const float* weight, int64_t rows, float* dX,

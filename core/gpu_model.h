@@ -115,6 +115,9 @@ class GpuModel {
   // all of them, in fp32 (see router_ld), then each one's top k.
   void route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers);
   void mark(Part p);  // the work queued from here on belongs to p (kCount: none)
+  // Where a physical layer's FFN router weight gradient accumulates: its rows in
+  // router_grads_padded_ when that exists, else the parameter's gradient.
+  float* ffn_router_grad(int64_t group) const;
   void fold_router_grads();
 
 
