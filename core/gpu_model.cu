@@ -117,7 +117,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
     recv_dw_ = DeviceBuffer<float>(size_t(M * kf));
     recv_dy_ = DeviceBuffer<bf16>(size_t(M * d));
   }
-  for (auto* b : {&dheads_, &dv_}) *b = DeviceBuffer<bf16>(size_t(N * hd));
+  dv_ = DeviceBuffer<bf16>(size_t(N * hd));
   attn_in_ld_ = (2 * hd + 2 * he + 7) / 8 * 8;  // rows 16-byte multiples, for cuBLAS's aligned kernels
   attn_in_grad_ = DeviceBuffer<bf16>(size_t(N * attn_in_ld_));
   attn_in_weights_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * attn_in_ld_ * d));
@@ -471,18 +471,19 @@ void GpuModel::ffn_backward(int64_t l) {
                      recv_dw_.get());
     dispatcher_->combine_grad(L.route, recv_rows_.get(), recv_dw_.get(), dres_.get(), dw_.get());
   }
-  mark(Part::kOther);  // LN2's output again, bit for bit: the same kernel on the same input
-  cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
-                          wparam(p + "ln2.bias"), N, d, stream_);
   // The router: its gradient's rows padded to router_ld (zeros past Ef), its weight likewise.
   const int64_t ld = router_ld(Ef);
   routing_grad(L.z.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, dzb_.get(), ld);
   mark(Part::kDense);
-  dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(l % cfg_.group_size), N, ld);
   dense_input_grad(dzb_.get(), ld, router_weight(p + "ffn.expert_sel"), ld, N, dxn_.get());
   mark(Part::kOther);
+  // LN2's backward also writes LN2's output again (bit for bit the forward's) into xn_, for the
+  // router's weight gradient.
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
-                           wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_, dresb_.get());
+                           wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_, dresb_.get(),
+                           wparam(p + "ln2.bias"), xn_.get());
+  mark(Part::kDense);
+  dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(l % cfg_.group_size), N, ld);
 }
 
 void GpuModel::experts_backward(int64_t l, const bf16* dY, const bf16* X, const float* weight, int64_t rows, float* dX,
@@ -514,9 +515,6 @@ void GpuModel::attention_backward(int64_t l) {
   const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
   mark(Part::kOther);  // dresb: the bf16 copy of dres, from LN2's backward
-  // LN1's output again, bit for bit, for the dense products' weight gradients.
-  cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), xs_[l].get(), wparam(p + "ln1.weight"),
-                          wparam(p + "ln1.bias"), N, d, stream_);
   // Output experts: head gradients (ka selections per head row: accumulated in fp32).
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dheads_f32_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
@@ -535,8 +533,6 @@ void GpuModel::attention_backward(int64_t l) {
   bf16* const dz_v = dq + 2 * hd;
   bf16* const dz_o = dz_v + H * Ea;
   routing_grad(L.zo.get(), L.io.get(), L.wo.get(), H, Ea, ka, dz_o, attn_in_ld_);
-  mark(Part::kOther);
-  cuda::to_bf16(dheads_.get(), dheads_f32_.get(), N * hd, stream_);
   mark(Part::kAttention);
   // q and k were scaled by s in the forward pass: dq and dk come scaled alike, the gradients of
   // the products before the scale.
@@ -544,7 +540,7 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kExperts);
   cuda::cvmm_sum_selections(v_.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
   mark(Part::kAttention);
-  attention_->backward(dq, dk, dv_.get(), dheads_.get(), L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), v_.get(),
+  attention_->backward(dq, dk, dv_.get(), dheads_f32_.get(), L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), v_.get(),
                        stream_, attn_in_ld_, s);
   // Value experts read the raw residual: their input gradient adds onto dres. Their routing-weight
   // gradient dots dv with each selection's kept row.
@@ -560,18 +556,21 @@ void GpuModel::attention_backward(int64_t l) {
   cuda::rope_backward(dq, B_, T, H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);
   cuda::rope_backward(dk, B_, T, H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);
   mark(Part::kDense);
-  // Weight gradients: q and k are adjacent in the layout, as are the two routers (checked at
-  // construction), so each pair is one product. The input gradient is one product over all four.
-  dense_weight_grad(dq, attn_in_ld_, xn_.get(), gparam(p + "attention.q.weight"), N, 2 * hd);
-  dense_weight_grad(dz_v, attn_in_ld_, xn_.get(), gparam(p + "attention.sel_v"), N, 2 * H * Ea);
+  // The input gradient is one product over all four.
   dense_input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get() + (l % cfg_.group_size) * attn_in_ld_ * d,
                    attn_in_ld_, N, dxn_.get());
   weight_grads_->join();
   mark(Part::kOther);
-  // dresb for the layer below (none below the first: the embedding's gradient reads dres).
+  // dresb for the layer below (none below the first: the embedding's gradient reads dres), and
+  // LN1's output again (bit for bit the forward's) into xn_ for the weight gradients.
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
                            wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_,
-                           l > 0 ? dresb_.get() : nullptr);
+                           l > 0 ? dresb_.get() : nullptr, wparam(p + "ln1.bias"), xn_.get());
+  mark(Part::kDense);
+  // Weight gradients: q and k are adjacent in the layout, as are the two routers (checked at
+  // construction), so each pair is one product.
+  dense_weight_grad(dq, attn_in_ld_, xn_.get(), gparam(p + "attention.q.weight"), N, 2 * hd);
+  dense_weight_grad(dz_v, attn_in_ld_, xn_.get(), gparam(p + "attention.sel_v"), N, 2 * H * Ea);
 }
 
 }  // namespace moeut

@@ -134,14 +134,15 @@ class GpuModel {
   std::vector<cuda::DeviceBuffer<float>> xs_;  // residual entering each layer, and the final one
   std::vector<Layer> layers_;
   cuda::DeviceBuffer<bf16> xf_;                // output LayerNorm
-  // A layer's LayerNorm output (bf16), for the products that read it; the backward pass
-  // recomputes it from the kept fp32 input and statistics instead of keeping one per layer.
+  // A layer's LayerNorm output (bf16), for the products that read it; in the backward pass the
+  // LayerNorm backward writes it again from the kept fp32 input and statistics, for the weight
+  // gradients that follow it, instead of keeping one per layer.
   cuda::DeviceBuffer<bf16> xn_;
   cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_;
   cuda::DeviceBuffer<bf16> v_;  // the layer's values [N, H·dh], summed from its value experts' rows
   // Backward scratch, shared by the layers.
   cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dheads_f32_;
-  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dheads_, dv_;
+  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dv_;
   cuda::DeviceBuffer<bf16> padded_routers_;  // see copy_weights; zero past each router's rows
   // A router product's output, rows router_ld apart, before each top-k packs its router's
   // columns into that router's z (see route).

@@ -3,9 +3,11 @@
 #include <string>
 
 #include "kernels/attention_cuda.h"
+#include "kernels/cast_cuda.h"
 #include "kernels/cuda_check.h"
 #include "kernels/with_ceiling.h"
 #include "kernels/lane_reduce.cuh"
+#include "kernels/wgmma.cuh"
 
 namespace moeut::cuda {
 namespace {
@@ -94,6 +96,40 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
+// One key tile's step of a flash forward's online softmax for a thread's two query rows, a and b.
+// s holds the tile's kS scores and o the kO output accumulators as mma accumulators hold them, in
+// groups of four (a, a, b, b). The scores become probabilities exp2((s − max)·log2 e) in place
+// (the max taken in the scores' units: the base-2 scale is positive, so it commutes, and each
+// exponent is one fused multiply-add); the running maxima and sums move on, and o is rescaled to
+// the new maxima. The sums are partial: the 4 threads of a row add theirs at the end.
+template <int kS, int kO>
+__device__ __forceinline__ void online_softmax_step(float* s, float* o, float& m_a, float& m_b, float& l_a, float& l_b) {
+  float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+  for (int j = 0; j < kS; j += 4) {
+    mx_a = fmaxf(mx_a, fmaxf(s[j], s[j + 1]));
+    mx_b = fmaxf(mx_b, fmaxf(s[j + 2], s[j + 3]));
+  }
+  mx_a = group_max<4>(mx_a), mx_b = group_max<4>(mx_b);  // the 4 threads of a row
+  // Every row sees key 0 of the first tile, so the running max is finite from the first tile
+  // on; the first correction is exp2(-inf) = 0.
+  const float corr_a = fast_exp2((m_a - mx_a) * kLog2e), corr_b = fast_exp2((m_b - mx_b) * kLog2e);
+  m_a = mx_a, m_b = mx_b;
+  const float off_a = mx_a * kLog2e, off_b = mx_b * kLog2e;
+  float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+  for (int j = 0; j < kS; j += 4) {
+    s[j] = fast_exp2(fmaf(s[j], kLog2e, -off_a)), s[j + 1] = fast_exp2(fmaf(s[j + 1], kLog2e, -off_a));
+    s[j + 2] = fast_exp2(fmaf(s[j + 2], kLog2e, -off_b)), s[j + 3] = fast_exp2(fmaf(s[j + 3], kLog2e, -off_b));
+    sum_a += s[j] + s[j + 1], sum_b += s[j + 2] + s[j + 3];
+  }
+  l_a = l_a * corr_a + sum_a, l_b = l_b * corr_b + sum_b;
+#pragma unroll
+  for (int j = 0; j < kO; j += 4) o[j] *= corr_a, o[j + 1] *= corr_a, o[j + 2] *= corr_b, o[j + 3] *= corr_b;
+}
+
 // Rows [row0, row0 + kRows) of one head ([T] rows, `ld` elements apart, dh used) into smem rows
 // of kD + 8, zeros past dh and past T; 16-byte copies when rows allow them.
 template <int kD, int kRows>
@@ -130,6 +166,24 @@ __device__ __forceinline__ FlashBlock flash_block(int tiles, int heads) {
 __host__ inline unsigned flash_blocks(int64_t B, int64_t T, int64_t H) {
   return unsigned((T + kFlashBlockRows - 1) / kFlashBlockRows * B * H);
 }
+// A flash block's (sequence, head) and its rank among that head's `tiles` blocks of 128 rows (0:
+// the longest, see flash_block), with where the head's rows start in the [B, T, H, dh] tensors.
+struct FlashHead {
+  int tiles, rank, bh, b, h;
+  int64_t ld, base;
+};
+__device__ __forceinline__ FlashHead flash_head(int T, int H, int dh) {
+  const int tiles = (T + kFlashBlockRows - 1) / kFlashBlockRows;
+  const FlashBlock blk = flash_block(tiles, int(gridDim.x) / tiles);
+  const int b = blk.bh / H, h = blk.bh % H;
+  const int64_t ld = int64_t(H) * dh;
+  return {tiles, blk.rank, blk.bh, b, h, ld, int64_t(b) * T * ld + int64_t(h) * dh};
+}
+// Whether the head's rows in every tensor given allow 16-byte copies.
+template <class... Tensors>
+__device__ __forceinline__ bool rows_16_bytes(const FlashHead& f, int dh, const Tensors*... x) {
+  return dh % 8 == 0 && f.ld % 8 == 0 && ((reinterpret_cast<uintptr_t>(x + f.base) % 16 == 0) && ...);
+}
 
 template <int kD>
 __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k,
@@ -139,13 +193,11 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
   bf16* Qs = reinterpret_cast<bf16*>(flash_smem);    // [128][kStride]
   bf16* Ks = Qs + kFlashBlockRows * kStride;          // [2][64][kStride]
   bf16* Vs = Ks + 2 * kTile;                          // [2][64][kStride]
-  const int tiles = (T + kFlashBlockRows - 1) / kFlashBlockRows;
-  const FlashBlock blk = flash_block(tiles, int(gridDim.x) / tiles);
-  const int qt = tiles - 1 - blk.rank;  // the last query tile attends to the most keys
-  const int bh = blk.bh, b = bh / H, h = bh % H;
-  const int64_t ld = int64_t(H) * dh, base = int64_t(b) * T * ld + int64_t(h) * dh;
-  const bool vec = dh % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(q + base) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(k + base) % 16 == 0 && reinterpret_cast<uintptr_t>(v + base) % 16 == 0;
+  const FlashHead f = flash_head(T, H, dh);
+  const int qt = f.tiles - 1 - f.rank;  // the last query tile attends to the most keys
+  const int bh = f.bh;
+  const int64_t ld = f.ld, base = f.base;
+  const bool vec = rows_16_bytes(f, dh, q, k, v);
   const int q0 = qt * kFlashBlockRows;
   const int last_kt = min(T - 1, q0 + kFlashBlockRows - 1) / kFlashTileRows;  // the block's last key tile
 
@@ -156,7 +208,6 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int warp_row0 = q0 + warp * 16, row_a = warp_row0 + g, row_b = row_a + 8;  // this thread's two query rows
-  constexpr float kLog2e = 1.4426950408889634f;
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
   float o[kD / 8][4];
 #pragma unroll
@@ -202,30 +253,7 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
         for (int e = 0; e < 4; ++e)
           if (key0 + j * 8 + 2 * c + (e % 2) > (e < 2 ? row_a : row_b)) s[j][e] = -INFINITY;
     }
-    // The running max in the scores' units (the base-2 scale is positive, so the max commutes
-    // with it); each exponent is then one fused multiply-add.
-    float mx_a = m_a, mx_b = m_b;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
-      mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
-    }
-    mx_a = group_max<4>(mx_a), mx_b = group_max<4>(mx_b);  // the 4 threads of a row
-    // Every row sees key 0 of the first tile, so the running max is finite from the first tile
-    // on; the first correction is exp2(-inf) = 0.
-    const float corr_a = fast_exp2((m_a - mx_a) * kLog2e), corr_b = fast_exp2((m_b - mx_b) * kLog2e);
-    m_a = mx_a, m_b = mx_b;
-    const float off_a = mx_a * kLog2e, off_b = mx_b * kLog2e;
-    float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s[j][0] = fast_exp2(fmaf(s[j][0], kLog2e, -off_a)), s[j][1] = fast_exp2(fmaf(s[j][1], kLog2e, -off_a));
-      s[j][2] = fast_exp2(fmaf(s[j][2], kLog2e, -off_b)), s[j][3] = fast_exp2(fmaf(s[j][3], kLog2e, -off_b));
-      sum_a += s[j][0] + s[j][1], sum_b += s[j][2] + s[j][3];
-    }
-    l_a = l_a * corr_a + sum_a, l_b = l_b * corr_b + sum_b;  // partial sums: the quad adds them at the end
-#pragma unroll
-    for (auto& t : o) t[0] *= corr_a, t[1] *= corr_a, t[2] *= corr_b, t[3] *= corr_b;
+    online_softmax_step<32, kD / 2>(&s[0][0], &o[0][0], m_a, m_b, l_a, l_b);
     // O += P V: P's accumulators become the A operand directly (16 keys = two 8-key tiles).
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -258,15 +286,164 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
     }
 }
 
+// ---- Flash-style forward on wgmma (head size 128) ----
+// One block: 128 query rows of one (sequence, head) in two warpgroups of 64, keys taken 128 at a
+// time. S = Q Kᵀ reads Q and the key tile from shared memory; P, rounded to bf16 in registers, is
+// the A operand of O += P V (an m64n128 accumulator's layout is the A fragment's, 16 keys per
+// step). Against the mma.sync kernel above, each key tile is read from shared memory once per
+// 64 rows instead of once per 16. Tiles use wgmma.cuh's 128-byte swizzled layout, two 64-column
+// slabs per 128-wide head; K and V are double-buffered (32 KB each), Q 32 KB: 160 KB, one block
+// per SM, up to 255 registers a thread.
+constexpr int kWgKeys = 128, kWgThreads = 256;
+constexpr uint32_t kWgSlab = 128 * 128;        // bytes of one 64-column slab of a 128-row tile
+constexpr uint32_t kWgTile = 2 * kWgSlab;      // a 128 x 128 tile
+constexpr size_t kWgSmem = 5 * kWgTile + 1024;  // Q, K x 2, V x 2, and room to align to 1024
+
+// Rows [row0, row0 + 128) of one head (rows `ld` apart, dh <= 128 used) into a swizzled 128 x 128
+// tile, zeros past dh and past T; 16-byte copies when rows allow them.
+__device__ void load_swizzled_tile(unsigned char* tile, const bf16* src, int64_t ld, int row0, int T, int dh, bool vec) {
+  for (int c = threadIdx.x; c < 128 * 16; c += kWgThreads) {
+    const int r = c / 16, chunk = c % 16, d0 = chunk * 8;
+    unsigned char* to = tile + (chunk / 8) * kWgSlab + wgmma::swizzled_chunk(r, chunk % 8);
+    const bf16* from = src + int64_t(row0 + r) * ld + d0;
+    const bool row_ok = row0 + r < T;
+    if (vec && row_ok && d0 + 8 <= dh) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(to)), "l"(from));
+    } else {
+      bf16* out = reinterpret_cast<bf16*>(to);
+      for (int i = 0; i < 8; ++i) out[i] = row_ok && d0 + i < dh ? from[i] : __float2bfloat16(0.f);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, float* lse, const bf16* q, const bf16* k,
+                                                                      const bf16* v, int T, int H, int dh) {
+  extern __shared__ __align__(16) unsigned char flash_smem[];
+  unsigned char* const Qs = flash_smem + (1024 - smem_u32(flash_smem) % 1024) % 1024;  // slabs 1024-aligned
+  unsigned char* const Ks = Qs + kWgTile;       // [2] tiles
+  unsigned char* const Vs = Ks + 2 * kWgTile;   // [2] tiles
+  const FlashHead f = flash_head(T, H, dh);
+  const int qt = f.tiles - 1 - f.rank;  // the last query tile attends to the most keys
+  const int bh = f.bh;
+  const int64_t ld = f.ld, base = f.base;
+  const bool vec = rows_16_bytes(f, dh, q, k, v);
+  const int q0 = qt * kFlashBlockRows;
+  const int last_kt = min(T - 1, q0 + kFlashBlockRows - 1) / kWgKeys;  // the block's last key tile
+
+  load_swizzled_tile(Qs, q + base, ld, q0, T, dh, vec);
+  load_swizzled_tile(Ks, k + base, ld, 0, T, dh, vec);
+  load_swizzled_tile(Vs, v + base, ld, 0, T, dh, vec);
+  asm volatile("cp.async.commit_group;\n" ::);
+
+  const int wg = threadIdx.x / 128;
+  const int wg_row0 = q0 + 64 * wg;                  // this warpgroup's first query row
+  const int row_a = wg_row0 + wgmma::acc_row(0), row_b = row_a + 8;  // this thread's two rows
+  // Accumulator element j belongs to row_a when (j / 2) % 2 == 0, else to row_b.
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+  float o[64];
+#pragma unroll
+  for (float& x : o) x = 0.f;
+  const uint32_t q_rows = smem_u32(Qs) + 64 * 128 * wg;
+
+  for (int kt = 0; kt <= last_kt; ++kt) {
+    const int buf = kt & 1, key0 = kt * kWgKeys;
+    if (kt < last_kt) {  // the next key tile streams in while this one is used
+      load_swizzled_tile(Ks + (buf ^ 1) * kWgTile, k + base, ld, key0 + kWgKeys, T, dh, vec);
+      load_swizzled_tile(Vs + (buf ^ 1) * kWgTile, v + base, ld, key0 + kWgKeys, T, dh, vec);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 1;\n" ::);
+    wgmma::fence_shared_for_async();
+    __syncthreads();
+    if (key0 > wg_row0 + 63) {  // every key of the tile is after every row of this warpgroup
+      __syncthreads();         // (the barrier that ends the other path)
+      continue;
+    }
+    const uint32_t k_tile = smem_u32(Ks + buf * kWgTile), v_tile = smem_u32(Vs + buf * kWgTile);
+
+    // S (64 x 128 keys per warpgroup) = Q Kᵀ, 8 steps of 16 head dims (4 per slab).
+    float s[64];
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma::mma_m64n128k16<0, 0>(s, wgmma::k_major(q_rows + (kk / 4) * kWgSlab, kk % 4),
+                                  wgmma::k_major(k_tile + (kk / 4) * kWgSlab, kk % 4), kk > 0);
+    wgmma::commit();
+    wgmma::wait<0>();
+    // Causal mask, only on a tile that crosses the warpgroup's diagonal (a warpgroup-uniform branch).
+    if (key0 + kWgKeys - 1 > wg_row0) {
+#pragma unroll
+      for (int j = 0; j < 64; ++j)
+        if (key0 + wgmma::acc_col(j) > ((j / 2) % 2 ? row_b : row_a)) s[j] = -INFINITY;
+    }
+    online_softmax_step<64, 64>(s, o, m_a, m_b, l_a, l_b);
+    // O += P V: keys 16kk..16kk+15 are S's elements 8kk..8kk+7; V (keys x head dims) is the
+    // MN-major B operand. P is packed whole before the products, so that they issue back to back
+    // (registers written between them would make the compiler fence each one).
+    uint32_t p[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) wgmma::mma_m64n128k16_rs<1>(o, p[kk], wgmma::mn_major(v_tile, kWgSlab, kk));
+    wgmma::commit();
+    wgmma::wait<0>();
+    __syncthreads();  // this tile's buffers are refilled by the next step's copies
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  l_a = group_sum<4>(l_a), l_b = group_sum<4>(l_b);
+  const float inv_a = 1.f / l_a, inv_b = 1.f / l_b;
+  if (threadIdx.x % 4 == 0) {  // log2 of each row's softmax denominator, in the base-2 units of the scores
+    if (row_a < T) lse[int64_t(bh) * T + row_a] = m_a * kLog2e + log2f(l_a);
+    if (row_b < T) lse[int64_t(bh) * T + row_b] = m_b * kLog2e + log2f(l_b);
+  }
+#pragma unroll
+  for (int j = 0; j < 64; j += 2) {  // elements j, j + 1: adjacent head dims of one row
+    const bool second = (j / 2) % 2;
+    const int row = second ? row_b : row_a, d = wgmma::acc_col(j);
+    const float inv = second ? inv_b : inv_a;
+    bf16* at = out + base + int64_t(row) * ld + d;
+    if (row >= T) continue;
+    if (vec) {  // dh a multiple of 8, so d < dh covers d + 1
+      if (d < dh) *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(o[j] * inv, o[j + 1] * inv);
+    } else {
+      if (d < dh) at[0] = __float2bfloat16(o[j] * inv);
+      if (d + 1 < dh) at[1] = __float2bfloat16(o[j + 1] * inv);
+    }
+  }
+}
+
 // ---- Flash-style backward ----
-// D[bh, t] = Σ_d dO[t, d] · O[t, d]: the row term of the softmax gradient. One warp per row.
-__global__ void flash_row_dots(float* D, const bf16* dout, const bf16* out, int64_t rows, int T, int H, int dh) {
+// dO in bf16 from its fp32 values, and D[bh, t] = Σ_d dO[t, d] · O[t, d] (the row term of the
+// softmax gradient, over the rounded dO that the flash backward reads) in the same pass. One warp
+// per row; four columns at a time when `quads` (dh and H·dh multiples of 4).
+__global__ void output_grad_rows(float* D, bf16* dout, const float* dout_f32, const bf16* out, int64_t rows, int T,
+                                 int H, int dh, bool quads) {
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (r >= rows) return;
   const int64_t bh = r / T, t = r % T, b = bh / H, h = bh % H;
   const int64_t at = (b * T + t) * int64_t(H) * dh + h * dh;
   float sum = 0.f;
-  for (int d = threadIdx.x % 32; d < dh; d += 32) sum += __bfloat162float(dout[at + d]) * __bfloat162float(out[at + d]);
+  if (quads) {
+    for (int d = 4 * (threadIdx.x % 32); d < dh; d += 128) {
+      const float4 g = *reinterpret_cast<const float4*>(dout_f32 + at + d);
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(g.x, g.y), hi = __floats2bfloat162_rn(g.z, g.w);
+      __nv_bfloat162* to = reinterpret_cast<__nv_bfloat162*>(dout + at + d);
+      to[0] = lo, to[1] = hi;
+      const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(out + at + d);
+      const float2 glo = __bfloat1622float2(lo), ghi = __bfloat1622float2(hi);
+      const float2 olo = __bfloat1622float2(o[0]), ohi = __bfloat1622float2(o[1]);
+      sum += glo.x * olo.x + glo.y * olo.y + ghi.x * ohi.x + ghi.y * ohi.y;
+    }
+  } else {
+    for (int d = threadIdx.x % 32; d < dh; d += 32) {
+      const bf16 g = __float2bfloat16(dout_f32[at + d]);
+      dout[at + d] = g;
+      sum += __bfloat162float(g) * __bfloat162float(out[at + d]);
+    }
+  }
   sum = warp_sum(sum);
   if (threadIdx.x % 32 == 0) D[r] = sum;
 }
@@ -305,7 +482,6 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
                                                                  const bf16* k, const bf16* v, int T, int H, int dh,
                                                                  int64_t grad_ld, float grad_scale) {
   constexpr int kStride = kD + 8, kTile = kFlashTileRows * kStride, kSStride = kFlashTileRows + 8;
-  constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(16) unsigned char flash_smem[];
   bf16* Ks = reinterpret_cast<bf16*>(flash_smem);  // [128][kStride]
   bf16* Vs = Ks + kFlashBlockRows * kStride;        // [128][kStride]
@@ -315,13 +491,11 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
   float* Ls = reinterpret_cast<float*>(dSs + kFlashBlockRows * kSStride);  // [2][64]
   float* Ds = Ls + 2 * kFlashTileRows;                                     // [2][64]
 
-  const int key_tiles = (T + kFlashBlockRows - 1) / kFlashBlockRows, tiles = (T + kFlashTileRows - 1) / kFlashTileRows;
-  const FlashBlock blk = flash_block(key_tiles, int(gridDim.x) / key_tiles);
-  const int kt = blk.rank, bh = blk.bh, b = bh / H, h = bh % H;  // the first key tile meets the most queries
-  const int64_t ld = int64_t(H) * dh, base = int64_t(b) * T * ld + int64_t(h) * dh;
-  const bool vec = dh % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(q + base) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(k + base) % 16 == 0 && reinterpret_cast<uintptr_t>(v + base) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(dout + base) % 16 == 0;
+  const int tiles = (T + kFlashTileRows - 1) / kFlashTileRows;
+  const FlashHead f = flash_head(T, H, dh);
+  const int kt = f.rank, bh = f.bh, b = f.b, h = f.h;  // the first key tile meets the most queries
+  const int64_t ld = f.ld, base = f.base;
+  const bool vec = rows_16_bytes(f, dh, q, k, v, dout);
   const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
   const int k0 = kt * kFlashBlockRows, first_qt = k0 / kFlashTileRows;
   auto load_query_tile = [&](int buf, int qt) {
@@ -484,9 +658,14 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
 template <int kD>
 void launch_flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T,
                           int64_t H, int64_t dh, cudaStream_t stream) {
-  const size_t bytes = sizeof(bf16) * (kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8);
-  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  flash_forward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh));
+  if constexpr (kD == 128) {  // head sizes 97..128: on wgmma
+    MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWgSmem)));
+    flash_forward_wgmma<<<flash_blocks(B, T, H), kWgThreads, kWgSmem, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh));
+  } else {
+    const size_t bytes = sizeof(bf16) * (kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8);
+    MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    flash_forward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh));
+  }
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -507,6 +686,7 @@ void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, 
 
 CausalAttention::CausalAttention(cublasHandle_t cublas, int64_t B, int64_t T, int64_t H, int64_t dh)
     : cublas_(cublas), capacity_(B), B_(B), T_(T), H_(H), dh_(dh) {
+  dout_ = DeviceBuffer<bf16>(size_t(B * T * H * dh));
   if (flash()) {
     row_dots_ = DeviceBuffer<float>(size_t(B * H * T));
     dq_acc_ = DeviceBuffer<float>(size_t(B * T * H * dh));
@@ -549,7 +729,7 @@ void CausalAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* 
             probs_.get() + b * H_ * tt, T_, tt, out + b * seq, CUDA_R_16BF, ld, dh_, H_);
 }
 
-void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* out, const float* lse,
+void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const float* dout, const bf16* out, const float* lse,
                                const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream, int64_t grad_ld,
                                float grad_scale) {
   if (B_ == 0) return;
@@ -557,13 +737,15 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, c
   if (grad_ld < H_ * dh_) throw std::invalid_argument("CausalAttention: gradient rows narrower than the heads");
   if (flash()) {
     const int64_t rows = B_ * H_ * T_, n = B_ * T_ * H_ * dh_;
-    flash_row_dots<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(row_dots_.get(), dout, out, rows, int(T_), int(H_),
-                                                                 int(dh_));
+    const bool dout_quads = dh_ % 4 == 0 && reinterpret_cast<uintptr_t>(dout) % 16 == 0 &&
+                            reinterpret_cast<uintptr_t>(out) % 8 == 0;
+    output_grad_rows<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(row_dots_.get(), dout_.get(), dout, out, rows,
+                                                                   int(T_), int(H_), int(dh_), dout_quads);
     MOEUT_CUDA_CHECK(cudaGetLastError());
     MOEUT_CUDA_CHECK(cudaMemsetAsync(dq_acc_.get(), 0, size_t(n) * sizeof(float), stream));
     with_ceiling<32, 64, 96, 128>(dh_, [&](auto kD) {
-      launch_flash_backward<kD>(dk, dv, dq_acc_.get(), dout, lse, row_dots_.get(), q, k, v, B_, T_, H_, dh_, grad_ld,
-                                grad_scale, stream);
+      launch_flash_backward<kD>(dk, dv, dq_acc_.get(), dout_.get(), lse, row_dots_.get(), q, k, v, B_, T_, H_, dh_,
+                                grad_ld, grad_scale, stream);
     });
     const int64_t tokens = B_ * T_, hd = H_ * dh_;
     const bool quads = hd % 4 == 0 && grad_ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq) % 8 == 0;
@@ -574,12 +756,13 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, c
   }
   scores_and_probs(q, k, stream);
   const int64_t ld = H_ * dh_, seq = T_ * ld, tt = T_ * T_;
+  to_bf16(dout_.get(), dout, B_ * seq, stream);
   float* dP = scores_.get();
   for (int64_t b = 0; b < B_; ++b) {
     // dP = dO Vᵀ (as S); dV = Pᵀ dO  <=>  dVᵀ(cm) = dOᵀ(cm) · P(cm)
-    batched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, T_, T_, dh_, v + b * seq, CUDA_R_16BF, ld, dh_, dout + b * seq, ld, dh_,
+    batched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, T_, T_, dh_, v + b * seq, CUDA_R_16BF, ld, dh_, dout_.get() + b * seq, ld, dh_,
             dP + b * H_ * tt, CUDA_R_32F, T_, tt, H_);
-    batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, dh_, T_, T_, dout + b * seq, CUDA_R_16BF, ld, dh_,
+    batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, dh_, T_, T_, dout_.get() + b * seq, CUDA_R_16BF, ld, dh_,
             probs_.get() + b * H_ * tt, T_, tt, dv + b * seq, CUDA_R_16BF, ld, dh_, H_);
   }
   const int64_t rows = B_ * H_ * T_;

@@ -24,10 +24,12 @@ class CausalAttention {
   // softmax denominator); unused above head size 128.
   void forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                cudaStream_t stream);
-  // Overwrites dq, dk, dv. out and lse: the forward's. dq and dk come multiplied by grad_scale
-  // (the scale the caller folded into q and k), their token rows grad_ld elements apart (0: H·dh),
-  // so that a caller can place them side by side in one matrix.
-  void backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
+  // Overwrites dq, dk, dv. dout: the output's gradient in fp32 (as the output experts' input
+  // gradient accumulates it); its bf16 copy, which the products read, is made in the same pass as
+  // the softmax gradient's row terms. out and lse: the forward's. dq and dk come multiplied by
+  // grad_scale (the scale the caller folded into q and k), their token rows grad_ld elements apart
+  // (0: H·dh), so that a caller can place them side by side in one matrix.
+  void backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const float* dout,
                 const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                 const __nv_bfloat16* v, cudaStream_t stream, int64_t grad_ld = 0, float grad_scale = 1.f);
 
@@ -37,6 +39,7 @@ class CausalAttention {
 
   cublasHandle_t cublas_;
   int64_t capacity_, B_, T_, H_, dh_;
+  DeviceBuffer<__nv_bfloat16> dout_;  // the output's gradient in bf16
   // Flash path: the softmax gradient's row terms and dq's fp32 accumulator.
   DeviceBuffer<float> row_dots_, dq_acc_;
   // cuBLAS path (head sizes above 128):

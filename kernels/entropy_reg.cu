@@ -8,7 +8,10 @@
 namespace moeut::cuda {
 namespace {
 
-constexpr int kPositionsPerBlock = 64, kThreads = 256;
+// accumulate_mean's positions per block: 16, so that the FFN's 16 x 1024 positions make 1,024
+// blocks (with 64: 256 blocks, under two per SM, and 46 us to read 37 MB, docs/PERFORMANCE.md
+// v20), at the price of 4 times the blocks' final additions into the means.
+constexpr int kPositionsPerBlock = 16, kThreads = 256;
 
 // A position's E logits are handled by L lanes of a warp (L: the power of two at or above E, at
 // most 32), 32 / L positions per warp: attention's 12 experts would otherwise leave most lanes

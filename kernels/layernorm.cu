@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <initializer_list>
+#include <stdexcept>
 
 #include "kernels/cuda_check.h"
 #include "kernels/layernorm.h"
@@ -124,11 +125,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 
 // One warp per row, rows strided over the grid, V columns per lane at a time. Each warp adds its
 // rows' parameter gradients into its own slice of shared memory (lanes own their columns, so no
-// atomics), and the block adds the slices into the global gradients once.
+// atomics), and the block adds the slices into the global gradients once. out, when not null,
+// receives the forward's output again (x̂·w + b, the forward kernel's expression), read in the
+// second pass anyway.
 template <int V>
-__global__ void layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, float* dw, float* db, const float* dout,
-                                          const float* x, const __nv_bfloat16* w, const float* mean, const float* rstd,
-                                          int64_t n, int d) {
+__global__ void layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, float* dw, float* db,
+                                          const float* dout, const float* x, const __nv_bfloat16* w,
+                                          const __nv_bfloat16* b, const float* mean, const float* rstd, int64_t n,
+                                          int d) {
   extern __shared__ float acc[];  // [kBackwardWarps][2][d]
   for (int i = threadIdx.x; i < kBackwardWarps * 2 * d; i += blockDim.x) acc[i] = 0.f;
   __syncthreads();
@@ -163,6 +167,13 @@ __global__ void layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, flo
       }
       store_cols<V>(dx + row * d + i, dxv);
       if (dx_bf16) store_cols<V>(dx_bf16 + row * d + i, dxv);
+      if (out) {
+        const Cols<V> bv = load_cols<V>(b + i);
+        Cols<V> o;
+#pragma unroll
+        for (int k = 0; k < V; ++k) o.v[k] = (xv.v[k] - mu) * rs * wv.v[k] + bv.v[k];
+        store_cols<V>(out + row * d + i, o);
+      }
       store_cols<V>(dw_acc + i, dwv);
       store_cols<V>(db_acc + i, dbv);
     }
@@ -195,18 +206,19 @@ void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float
 
 void layernorm_backward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
                         const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
-                        cudaStream_t stream, __nv_bfloat16* dx_bf16) {
+                        cudaStream_t stream, __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out) {
   if (n == 0) return;
+  if (out && !bias) throw std::invalid_argument("layernorm_backward: the forward output needs the bias");
   // At most 1056 blocks (8 per SM of an H100): each block's partial sums cost one pass of atomics
   // over d at its end.
   const unsigned blocks = unsigned(std::min<int64_t>((n + kBackwardWarps - 1) / kBackwardWarps, 1056));
   const size_t smem = size_t(kBackwardWarps) * 2 * size_t(d) * sizeof(float);
   auto launch = [&](auto kernel) {
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<blocks, kBackwardWarps * 32, smem, stream>>>(dx, dx_bf16, dweight, dbias, dout, x, weight, mean, rstd, n,
-                                                          int(d));
+    kernel<<<blocks, kBackwardWarps * 32, smem, stream>>>(dx, dx_bf16, out, dweight, dbias, dout, x, weight, bias, mean,
+                                                          rstd, n, int(d));
   };
-  if (four_wide(d, {dx, dout, x}, {weight, dx_bf16})) launch(layernorm_backward_kernel<4>);
+  if (four_wide(d, {dx, dout, x}, {weight, dx_bf16, bias, out})) launch(layernorm_backward_kernel<4>);
   else launch(layernorm_backward_kernel<1>);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }

@@ -100,10 +100,10 @@ __global__ void __launch_bounds__(kWarps * 32) topk_search_kernel(int32_t* index
   bool exact = false;   // exactly k keys are at or above prefix
   for (int b = 31; b >= 0; --b) {
     const uint32_t candidate = prefix | 1u << b;  // above 0, so no dead slot counts
-    int count = 0;
+    int part[4] = {0, 0, 0, 0};  // four independent sums: a chain of P dependent additions is the loop's latency
 #pragma unroll
-    for (int q = 0; q < P; ++q) count += key[q] >= candidate;
-    count = int(__reduce_add_sync(0xffffffffu, unsigned(count)));
+    for (int q = 0; q < P; ++q) part[q % 4] += key[q] >= candidate;
+    int count = int(__reduce_add_sync(0xffffffffu, unsigned(part[0] + part[1] + part[2] + part[3])));
     if (count >= k) {
       prefix = candidate;
       if (count == k) {
@@ -143,7 +143,8 @@ __global__ void __launch_bounds__(kWarps * 32) topk_search_kernel(int32_t* index
     const uint32_t mine = chosen_key[warp][lane];
     const int expert = chosen_expert[warp][lane];
     int rank = 0;
-    for (int i = 0; i < k; ++i) {
+#pragma unroll 8
+    for (int i = 0; i < k; ++i) {  // unrolled, so that the shared-memory loads overlap
       const uint32_t other = chosen_key[warp][i];
       rank += other > mine || (other == mine && chosen_expert[warp][i] < expert);
     }

@@ -48,13 +48,15 @@ TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
     DeviceBuffer<float> gx(x), gmean(std::vector<float>(n, NAN)), grstd(std::vector<float>(n, NAN)), gdout(dout),
         gdx(dx0), gdw(std::vector<float>(d, 0.5f)), gdb(std::vector<float>(d, -0.5f));
     DeviceBuffer<bf16> gw(to_bf16(w)), gb(to_bf16(b)), gout(std::vector<bf16>(n * d, __float2bfloat16(NAN))),
-        gxb(gout.download()), gdxb(gout.download());
+        gxb(gout.download()), gdxb(gout.download()), gout_again(gout.download());
     DeviceBuffer<float> gx_copy(std::vector<float>(n * d, NAN));
     cuda::layernorm_forward(gout.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0, gxb.get(),
                             gx_copy.get());
     cuda::layernorm_backward(gdx.get(), gdw.get(), gdb.get(), gdout.get(), gx.get(), gw.get(), gmean.get(), grstd.get(),
-                             n, d, 0, gdxb.get());
-    // The copies: x exactly (its values are bf16), dx rounded from the fp32 result.
+                             n, d, 0, gdxb.get(), gb.get(), gout_again.get());
+    // The copies: x exactly (its values are bf16), dx rounded from the fp32 result; the backward
+    // pass's output bit for bit the forward's (the same expression on the same mean and rstd).
+    EXPECT_EQ(to_float(gout_again.download()), to_float(gout.download())) << "output again, from the backward pass";
     EXPECT_EQ(to_float(gxb.download()), x) << "bf16 copy of x";
     EXPECT_EQ(gx_copy.download(), x) << "fp32 copy of x";
     EXPECT_EQ(to_float(gdxb.download()), to_float(to_bf16(gdx.download()))) << "bf16 copy of dx";
@@ -278,9 +280,10 @@ TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {
   struct Case { int64_t B, T, H, dh; };
   // Head sizes of every profile (the flash kernels pad them to 32, 96 or 128), sequence lengths
   // on and off their 128-row blocks and 64-row tiles (320: two and a half blocks, five tiles),
-  // and one head size above 128 (the cuBLAS path).
+  // and one head size above 128 (the cuBLAS path). 120 and 100 take the wgmma forward below 128
+  // columns (100: rows not 16 bytes apart, element by element).
   for (const Case& c : {Case{2, 1024, 2, 128}, Case{3, 100, 4, 82}, Case{2, 130, 3, 96}, Case{4, 64, 2, 32},
-                        Case{2, 320, 2, 64}, Case{1, 70, 2, 136}}) {
+                        Case{2, 320, 2, 64}, Case{1, 70, 2, 136}, Case{2, 200, 3, 120}, Case{1, 150, 2, 100}}) {
     SCOPED_TRACE("T " + std::to_string(c.T) + " dh " + std::to_string(c.dh));
     Rng rng{uint64_t(c.T + c.dh)};
     const int64_t n = c.B * c.T * c.H * c.dh;
@@ -290,7 +293,8 @@ TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {
     attention_forward(out.data(), probs.data(), q.data(), k.data(), v.data(), c.B, c.T, c.H, c.dh);
     attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), probs.data(), q.data(), k.data(), v.data(), c.B,
                        c.T, c.H, c.dh);
-    const DeviceBuffer<bf16> gq(to_bf16(q)), gk(to_bf16(k)), gv(to_bf16(v)), gdout(to_bf16(dout));
+    const DeviceBuffer<bf16> gq(to_bf16(q)), gk(to_bf16(k)), gv(to_bf16(v));
+    const DeviceBuffer<float> gdout(dout);  // fp32, as the model accumulates it (values bf16 already)
     const std::vector<bf16> poison(n, __float2bfloat16(NAN));
     DeviceBuffer<bf16> gout(poison), gdq(poison), gdk(poison), gdv(poison);
     cuda::CausalAttention att(cublas, c.B, c.T, c.H, c.dh);
