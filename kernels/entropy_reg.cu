@@ -8,10 +8,13 @@
 namespace moeut::cuda {
 namespace {
 
-// accumulate_mean's positions per block: 16, so that the FFN's 16 x 1024 positions make 1,024
-// blocks (with 64: 256 blocks, under two per SM, and 46 us to read 37 MB, docs/PERFORMANCE.md
-// v20), at the price of 4 times the blocks' final additions into the means.
-constexpr int kPositionsPerBlock = 16, kThreads = 256;
+constexpr int kThreads = 256;
+
+// accumulate_mean's positions per block, for L lanes per position. 16 at 32 lanes, so that the
+// FFN's 16 x 1024 positions make 1,024 blocks (with 64: 256 blocks, under two per SM, 46.5 us a
+// call against 26.3, H100, PERFORMANCE v21). 64 below: attention's (b, g) rows have few experts,
+// and more blocks per row contend on the same E means (13.6 us a call at 64, 17.6 at 16).
+__host__ __device__ constexpr int positions_per_block(int L) { return L == 32 ? 16 : 64; }
 
 // A position's E logits are handled by L lanes of a warp (L: the power of two at or above E, at
 // most 32), 32 / L positions per warp: attention's 12 experts would otherwise leave most lanes
@@ -36,8 +39,9 @@ __global__ void accumulate_mean(float* mean, const float* z, int T, int groups, 
   const int g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x % L, warp = threadIdx.x / 32;
   for (int e = threadIdx.x; e < E; e += blockDim.x) part[e] = 0.f;
   __syncthreads();
-  const int t_end = min(T, int(blockIdx.x + 1) * kPositionsPerBlock);
-  for (int t0 = int(blockIdx.x) * kPositionsPerBlock + warp * kPerWarp; t0 < t_end; t0 += kThreads / L) {
+  constexpr int kPositions = positions_per_block(L);
+  const int t_end = min(T, int(blockIdx.x + 1) * kPositions);
+  for (int t0 = int(blockIdx.x) * kPositions + warp * kPerWarp; t0 < t_end; t0 += kThreads / L) {
     const int t = t0 + threadIdx.x % 32 / L;
     const float* zp = z + ((int64_t(b) * T + min(t, t_end - 1)) * groups + g) * E;
     const float lse = position_lse<L>(zp, E, lane);
@@ -96,8 +100,9 @@ void EntropyReg::forward_backward(const std::vector<float*>& duses, const std::v
   const int64_t R = int64_t(uses.size()), S = T * R, rows = B_ * groups_;
   if (rows == 0) return;
   MOEUT_CUDA_CHECK(cudaMemsetAsync(mean_.get(), 0, mean_.size() * sizeof(float), stream));
-  const dim3 grid(unsigned((T + kPositionsPerBlock - 1) / kPositionsPerBlock), unsigned(groups_), unsigned(B_));
   with_ceiling<4, 8, 16, 32>(E_, [&](auto L) {
+    constexpr int kPositions = positions_per_block(L);
+    const dim3 grid(unsigned((T + kPositions - 1) / kPositions), unsigned(groups_), unsigned(B_));
     for (const float* z : uses)
       accumulate_mean<L><<<grid, kThreads, E_ * sizeof(float), stream>>>(mean_.get(), z, int(T), int(groups_), int(E_),
                                                                           float(1.0 / double(S)));
