@@ -299,12 +299,14 @@ constexpr uint32_t kWgSlab = 128 * 128;        // bytes of one 64-column slab of
 constexpr uint32_t kWgTile = 2 * kWgSlab;      // a 128 x 128 tile
 constexpr size_t kWgSmem = 5 * kWgTile + 1024;  // Q, K x 2, V x 2, and room to align to 1024
 
-// Rows [row0, row0 + 128) of one head (rows `ld` apart, dh <= 128 used) into a swizzled 128 x 128
-// tile, zeros past dh and past T; 16-byte copies when rows allow them.
+// Rows [row0, row0 + kRows) of one head (rows `ld` apart, dh <= 128 used) into a swizzled
+// kRows x 128 tile (two slabs of kRows x 64), zeros past dh and past T; 16-byte copies when rows
+// allow them.
+template <int kRows>
 __device__ void load_swizzled_tile(unsigned char* tile, const bf16* src, int64_t ld, int row0, int T, int dh, bool vec) {
-  for (int c = threadIdx.x; c < 128 * 16; c += kWgThreads) {
+  for (int c = threadIdx.x; c < kRows * 16; c += kWgThreads) {
     const int r = c / 16, chunk = c % 16, d0 = chunk * 8;
-    unsigned char* to = tile + (chunk / 8) * kWgSlab + wgmma::swizzled_chunk(r, chunk % 8);
+    unsigned char* to = tile + (chunk / 8) * (kRows * 128) + wgmma::swizzled_chunk(r, chunk % 8);
     const bf16* from = src + int64_t(row0 + r) * ld + d0;
     const bool row_ok = row0 + r < T;
     if (vec && row_ok && d0 + 8 <= dh) {
@@ -330,9 +332,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
   const int q0 = qt * kFlashBlockRows;
   const int last_kt = min(T - 1, q0 + kFlashBlockRows - 1) / kWgKeys;  // the block's last key tile
 
-  load_swizzled_tile(Qs, q + base, ld, q0, T, dh, vec);
-  load_swizzled_tile(Ks, k + base, ld, 0, T, dh, vec);
-  load_swizzled_tile(Vs, v + base, ld, 0, T, dh, vec);
+  load_swizzled_tile<128>(Qs, q + base, ld, q0, T, dh, vec);
+  load_swizzled_tile<128>(Ks, k + base, ld, 0, T, dh, vec);
+  load_swizzled_tile<128>(Vs, v + base, ld, 0, T, dh, vec);
   asm volatile("cp.async.commit_group;\n" ::);
 
   const int wg = threadIdx.x / 128;
@@ -348,8 +350,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
   for (int kt = 0; kt <= last_kt; ++kt) {
     const int buf = kt & 1, key0 = kt * kWgKeys;
     if (kt < last_kt) {  // the next key tile streams in while this one is used
-      load_swizzled_tile(Ks + (buf ^ 1) * kWgTile, k + base, ld, key0 + kWgKeys, T, dh, vec);
-      load_swizzled_tile(Vs + (buf ^ 1) * kWgTile, v + base, ld, key0 + kWgKeys, T, dh, vec);
+      load_swizzled_tile<128>(Ks + (buf ^ 1) * kWgTile, k + base, ld, key0 + kWgKeys, T, dh, vec);
+      load_swizzled_tile<128>(Vs + (buf ^ 1) * kWgTile, v + base, ld, key0 + kWgKeys, T, dh, vec);
     }
     asm volatile("cp.async.commit_group;\n" ::);
     asm volatile("cp.async.wait_group 1;\n" ::);
@@ -469,8 +471,77 @@ __global__ void flash_dq_to_bf16(bf16* dq, const float* acc, int64_t rows, int h
   }
 }
 
-// One block: 128 keys of one (sequence, head), 8 warps of 16 keys, dK and dV accumulated in
-// registers over the 64-row query tiles at and below the diagonal (a warp whose keys all come
+// The three per-thread steps that both flash backward kernels share. Their fragments are the
+// accumulators of mma.sync's m16n8 products or of wgmma's m64nN ones, which lay out a warp's part
+// alike: group j of four elements (a, a, b, b) covers columns 8j + 2c and 8j + 2c + 1 (c = lane %
+// 4) of the thread's rows a and b = a + 8.
+
+// Pᵀ and dSᵀ in place, over kGroups groups of a key x query tile: element (key, query) with key
+// key_a or key_a + 8 and query = query0 + column; p holds Sᵀ, dp holds dPᵀ. Pᵀ = exp2(Sᵀ log2 e −
+// lse), dSᵀ = Pᵀ (dPᵀ − D). The causal mask only where the tile crosses the warp's diagonal.
+template <int kGroups>
+__device__ __forceinline__ void softmax_grad_tile(float* p, float* dp, int key_a, int query0, bool diagonal,
+                                                  const float* Lt, const float* Dt) {
+  const int c = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = j * 8 + 2 * c + (e % 2), query = query0 + col, key = key_a + (e < 2 ? 0 : 8);
+      const float pe = !diagonal || key <= query ? fast_exp2(fmaf(p[4 * j + e], kLog2e, -Lt[col])) : 0.f;
+      p[4 * j + e] = pe;
+      dp[4 * j + e] = pe * (dp[4 * j + e] - Dt[col]);
+    }
+}
+
+// A warp's dQ fragment (kGroups groups of 8 head dims from d0, rows query_a and query_a + 8) into
+// the head's fp32 accumulator (rows ld apart), 4 columns per 16-byte atomic (a quarter of the
+// atomics of one per element): lanes c and c ^ 1 trade pairs, so the even one holds row a's
+// columns 2c to 2c + 3 and the odd one row b's.
+template <int kGroups>
+__device__ __forceinline__ void add_dq(float* dq_head, const float* dq, int query_a, int d0, int T, int dh, int64_t ld,
+                                       bool vec4) {
+  const int c = threadIdx.x % 4;
+  const bool even = c % 2 == 0;
+  const int query = query_a + (even ? 0 : 8);
+#pragma unroll
+  for (int n = 0; n < kGroups; ++n) {
+    const float* g = dq + 4 * n;
+    const float r0 = __shfl_xor_sync(0xffffffffu, even ? g[2] : g[0], 1),
+                r1 = __shfl_xor_sync(0xffffffffu, even ? g[3] : g[1], 1);
+    const float4 v = even ? make_float4(g[0], g[1], r0, r1) : make_float4(r0, r1, g[2], g[3]);
+    const int d = d0 + n * 8 + 2 * (c & ~1);
+    if (query >= T || d >= dh) continue;
+    float* const at = dq_head + int64_t(query) * ld + d;
+    if (vec4 && d + 3 < dh) {
+      atomicAdd(reinterpret_cast<float4*>(at), v);
+    } else {
+      const float part[4] = {v.x, v.y, v.z, v.w};
+      for (int i = 0; i < 4 && d + i < dh; ++i) atomicAdd(at + i, part[i]);
+    }
+  }
+}
+
+// The thread's dK (times grad_scale, rows grad_ld apart) and dV (rows ld apart) rows key_a and
+// key_b, kGroups groups of 8 head dims, into the head's rows.
+template <int kGroups>
+__device__ __forceinline__ void store_dk_dv(bf16* dk_head, bf16* dv_head, const float* dk_acc, const float* dv_acc,
+                                            int key_a, int T, int dh, int64_t grad_ld, int64_t ld, float grad_scale) {
+  const int c = threadIdx.x % 4;
+#pragma unroll
+  for (int n = 0; n < kGroups; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key_a + (e < 2 ? 0 : 8), d = n * 8 + 2 * c + (e % 2);
+      if (key < T && d < dh) {
+        dk_head[int64_t(key) * grad_ld + d] = __float2bfloat16(grad_scale * dk_acc[4 * n + e]);
+        dv_head[int64_t(key) * ld + d] = __float2bfloat16(dv_acc[4 * n + e]);
+      }
+    }
+}
+
+// Head sizes up to 96 (above: flash_backward_wgmma below). One block: 128 keys of one
+// (sequence, head), 8 warps of 16 keys, dK and dV accumulated in registers over the 64-row query tiles at and below the diagonal (a warp whose keys all come
 // after a tile's queries skips it). Per query tile: Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ - lse),
 // dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - D), dK += dSᵀ Q; dSᵀ goes through shared memory for
 // dQ += dS K (each warp 16 queries x half the head dims, over the live keys), which is added into
@@ -513,7 +584,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
   asm volatile("cp.async.commit_group;\n" ::);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int warp_key0 = k0 + warp * 16, key_a = warp_key0 + g, key_b = key_a + 8;  // this thread's two keys
+  const int warp_key0 = k0 + warp * 16, key_a = warp_key0 + g;  // this thread's keys: key_a, key_a + 8
   float dk_acc[kD / 8][4], dv_acc[kD / 8][4];
 #pragma unroll
   for (int n = 0; n < kD / 8; ++n)
@@ -556,18 +627,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
           mma_16816(dp[j + 1], av, bo[2], bo[3]);
         }
       }
-      // Pᵀ and dSᵀ: element (key, query) with query = query0 + 8j + 2c + e%2; the causal mask
-      // only where the tile crosses the warp's diagonal.
-      const bool diagonal = warp_key0 + 15 > query0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = j * 8 + 2 * c + (e % 2), query = query0 + col, key = e < 2 ? key_a : key_b;
-          const float pe = !diagonal || key <= query ? fast_exp2(fmaf(p[j][e], kLog2e, -Lt[col])) : 0.f;
-          p[j][e] = pe;
-          dp[j][e] = pe * (dp[j][e] - Dt[col]);  // dSᵀ
-        }
+      softmax_grad_tile<8>(&p[0][0], &dp[0][0], key_a, query0, warp_key0 + 15 > query0, Lt, Dt);
       // dV += Pᵀ dO and dK += dSᵀ Q: Pᵀ, dSᵀ as A operands (16 queries a step), dO, Q as B (trans).
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -619,40 +679,140 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
         mma_16816(dq[n + 1], a, bk[2], bk[3]);
       }
     }
-    // Into the fp32 accumulator 4 columns per 16-byte atomic (a quarter of the atomics of one
-    // per element): lanes c and c ^ 1 trade pairs, so the even one holds query qa's columns
-    // 2c to 2c + 3 and the odd one query qb's.
-    const bool even = c % 2 == 0;
-    const int query = query0 + q_row0 + g + (even ? 0 : 8);
-#pragma unroll
-    for (int n = 0; n < kHalf / 8; ++n) {
-      const float r0 = __shfl_xor_sync(0xffffffffu, even ? dq[n][2] : dq[n][0], 1),
-                  r1 = __shfl_xor_sync(0xffffffffu, even ? dq[n][3] : dq[n][1], 1);
-      const float4 v = even ? make_float4(dq[n][0], dq[n][1], r0, r1) : make_float4(r0, r1, dq[n][2], dq[n][3]);
-      const int d = d0 + n * 8 + 2 * (c & ~1);
-      if (query >= T || d >= dh) continue;
-      float* const dq_at = dq_acc + base + int64_t(query) * ld + d;
-      if (dq_vec4 && d + 3 < dh) {
-        atomicAdd(reinterpret_cast<float4*>(dq_at), v);
-      } else {
-        const float part[4] = {v.x, v.y, v.z, v.w};
-        for (int i = 0; i < 4 && d + i < dh; ++i) atomicAdd(dq_at + i, part[i]);
-      }
-    }
+    add_dq<kHalf / 8>(dq_acc + base, &dq[0][0], query0 + q_row0 + g, d0, T, dh, ld, dq_vec4);
     __syncthreads();  // Q, dO, dSᵀ of this tile are overwritten next
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
-#pragma unroll
-  for (int n = 0; n < kD / 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int key = e < 2 ? key_a : key_b, d = n * 8 + 2 * c + (e % 2);
-      if (key < T && d < dh) {
-        dk[int64_t(b) * T * grad_ld + int64_t(h) * dh + int64_t(key) * grad_ld + d] =
-            __float2bfloat16(grad_scale * dk_acc[n][e]);
-        dv[base + int64_t(key) * ld + d] = __float2bfloat16(dv_acc[n][e]);
-      }
+  store_dk_dv<kD / 8>(dk + int64_t(b) * T * grad_ld + int64_t(h) * dh, dv + base, &dk_acc[0][0], &dv_acc[0][0], key_a, T,
+                      dh, grad_ld, ld, grad_scale);
+}
+
+// ---- Flash-style backward on wgmma (head size 128) ----
+// One block: 128 keys of one (sequence, head) in two warpgroups of 64, dK and dV accumulated in
+// registers (m64n128 each) over the 64-row query tiles at and below the diagonal. Per query tile,
+// each warpgroup whose keys some query sees: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (m64n64, keys x queries,
+// from shared memory), Pᵀ and dSᵀ in registers (softmax_grad_tile), then dV += Pᵀ dO and
+// dK += dSᵀ Q with Pᵀ and dSᵀ, rounded to bf16, as the register A operand (as the forward's P)
+// and dO, Q as MN-major B. dSᵀ also goes to shared memory, where dQ = dS K (64 queries x 64 head
+// dims per warpgroup, over the block's 128 keys; dS the MN-major A, K the MN-major B) is added
+// into an fp32 accumulator atomically. Against the mma.sync kernel, each query tile is read from
+// shared memory once per 64 keys instead of once per 16. Shared memory: K, V (32 KB each), Q and
+// dO double-buffered (16 KB each), dSᵀ (16 KB), lse and D: 145 KB, one block per SM.
+constexpr int kWgQueries = 64;
+constexpr uint32_t kWgQuerySlab = kWgQueries * 128;  // bytes of one 64-column slab of a 64-row tile
+constexpr uint32_t kWgQueryTile = 2 * kWgQuerySlab;
+constexpr size_t kWgBackwardSmem =
+    2 * kWgTile + 5 * kWgQueryTile + 4 * kWgQueries * sizeof(float) + 1024;  // K, V, Q x 2, dO x 2, dSᵀ
+
+__global__ void __launch_bounds__(kWgThreads, 1)
+    flash_backward_wgmma(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const float* lse, const float* D,
+                         const bf16* q, const bf16* k, const bf16* v, int T, int H, int dh, int64_t grad_ld,
+                         float grad_scale) {
+  extern __shared__ __align__(16) unsigned char flash_smem[];
+  unsigned char* const Ks = flash_smem + (1024 - smem_u32(flash_smem) % 1024) % 1024;  // slabs 1024-aligned
+  unsigned char* const Vs = Ks + kWgTile;
+  unsigned char* const Qs = Vs + kWgTile;              // [2] tiles
+  unsigned char* const dOs = Qs + 2 * kWgQueryTile;    // [2] tiles
+  unsigned char* const dSs = dOs + 2 * kWgQueryTile;   // [128 keys][64 queries], one slab
+  float* const Ls = reinterpret_cast<float*>(dSs + kWgQueryTile);  // [2][64]
+  float* const Ds = Ls + 2 * kWgQueries;                          // [2][64]
+
+  const int tiles = (T + kWgQueries - 1) / kWgQueries;
+  const FlashHead f = flash_head(T, H, dh);
+  const int bh = f.bh;
+  const int64_t ld = f.ld, base = f.base;
+  const bool vec = rows_16_bytes(f, dh, q, k, v, dout);
+  const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
+  const int k0 = f.rank * kFlashBlockRows, first_qt = k0 / kWgQueries;  // rank 0 meets the most queries
+  auto load_query_tile = [&](int buf, int qt) {
+    load_swizzled_tile<kWgQueries>(Qs + buf * kWgQueryTile, q + base, ld, qt * kWgQueries, T, dh, vec);
+    load_swizzled_tile<kWgQueries>(dOs + buf * kWgQueryTile, dout + base, ld, qt * kWgQueries, T, dh, vec);
+    for (int r = threadIdx.x; r < kWgQueries; r += kWgThreads) {  // rows past T: finite, contribute 0
+      const int t = qt * kWgQueries + r;
+      Ls[buf * kWgQueries + r] = t < T ? lse[int64_t(bh) * T + t] : 0.f;
+      Ds[buf * kWgQueries + r] = t < T ? D[int64_t(bh) * T + t] : 0.f;
     }
+  };
+  load_swizzled_tile<128>(Ks, k + base, ld, k0, T, dh, vec);
+  load_swizzled_tile<128>(Vs, v + base, ld, k0, T, dh, vec);
+  load_query_tile(0, first_qt);
+  asm volatile("cp.async.commit_group;\n" ::);
+
+  const int wg = threadIdx.x / 128, wg_key0 = k0 + 64 * wg;  // this warpgroup's first key
+  const int warp_key0 = wg_key0 + (threadIdx.x % 128 / 32) * 16;
+  const int key_a = wg_key0 + wgmma::acc_row(0);  // this thread's keys: key_a, key_a + 8
+  const uint32_t k_rows = smem_u32(Ks) + 64 * 128 * wg, v_rows = smem_u32(Vs) + 64 * 128 * wg;
+  float dk_acc[64], dv_acc[64];
+#pragma unroll
+  for (int j = 0; j < 64; ++j) dk_acc[j] = dv_acc[j] = 0.f;
+
+  for (int qt = first_qt; qt < tiles; ++qt) {
+    const int buf = (qt - first_qt) & 1, query0 = qt * kWgQueries;
+    if (qt + 1 < tiles) load_query_tile(buf ^ 1, qt + 1);
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 1;\n" ::);
+    wgmma::fence_shared_for_async();
+    __syncthreads();
+    const uint32_t q_tile = smem_u32(Qs + buf * kWgQueryTile), do_tile = smem_u32(dOs + buf * kWgQueryTile);
+    if (wg_key0 <= query0 + kWgQueries - 1) {  // some query of the tile sees some key of this warpgroup
+      // Sᵀ and dPᵀ, 8 steps of 16 head dims each (4 per slab), issued together.
+      float s[32], dp[32];
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        wgmma::mma_m64n64k16<0, 0>(s, wgmma::k_major(k_rows + (kk / 4) * kWgSlab, kk % 4),
+                                   wgmma::k_major(q_tile + (kk / 4) * kWgQuerySlab, kk % 4), kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        wgmma::mma_m64n64k16<0, 0>(dp, wgmma::k_major(v_rows + (kk / 4) * kWgSlab, kk % 4),
+                                   wgmma::k_major(do_tile + (kk / 4) * kWgQuerySlab, kk % 4), kk > 0);
+      wgmma::commit();
+      wgmma::wait<0>();
+      softmax_grad_tile<8>(s, dp, key_a, query0, warp_key0 + 15 > query0, Ls + buf * kWgQueries,
+                           Ds + buf * kWgQueries);
+      // Pᵀ and dSᵀ as A fragments, 16 queries a step, packed whole before the products; dSᵀ
+      // also into shared memory (row: key, chunk: 8 queries).
+      uint32_t pa[4][4], sa[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          pa[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+          sa[kk][i] = pack_bf16(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1]);
+        }
+#pragma unroll
+      for (int j = 0; j < 32; j += 2) {  // elements j, j + 1: adjacent queries of one key
+        const int row = 64 * wg + wgmma::acc_row(j), col = wgmma::acc_col(j);
+        *reinterpret_cast<uint32_t*>(dSs + wgmma::swizzled_chunk(row, col / 8) + 2 * (col % 8)) =
+            sa[j / 8][(j % 8) / 2];
+      }
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma::mma_m64n128k16_rs<1>(dv_acc, pa[kk], wgmma::mn_major(do_tile, kWgQuerySlab, kk));
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma::mma_m64n128k16_rs<1>(dk_acc, sa[kk], wgmma::mn_major(q_tile, kWgQuerySlab, kk));
+      wgmma::commit();
+    } else {  // every key of this warpgroup comes after every query of the tile: dSᵀ rows zero
+      for (int i = threadIdx.x % 128; i < 64 * 8; i += 128)
+        *reinterpret_cast<uint4*>(dSs + wgmma::swizzled_chunk(64 * wg + i / 8, i % 8)) = make_uint4(0, 0, 0, 0);
+    }
+    wgmma::fence_shared_for_async();
+    __syncthreads();
+    // dQ = dS K: warpgroup wg takes head dims 64 wg .. 64 wg + 63, 8 steps of 16 keys.
+    float dq[32];
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma::mma_m64n64k16<1, 1>(dq, wgmma::mn_major(smem_u32(dSs), kWgQueryTile, kk),
+                                 wgmma::mn_major(smem_u32(Ks) + wg * kWgSlab, kWgSlab, kk), kk > 0);
+    wgmma::commit();
+    wgmma::wait<0>();  // dV and dK's products too
+    add_dq<8>(dq_acc + base, dq, query0 + wgmma::acc_row(0), 64 * wg, T, dh, ld, dq_vec4);
+    __syncthreads();  // Q, dO, dSᵀ of this tile are overwritten next
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  store_dk_dv<16>(dk + int64_t(f.b) * T * grad_ld + int64_t(f.h) * dh, dv + base, dk_acc, dv_acc, key_a, T, dh, grad_ld,
+                  ld, grad_scale);
 }
 
 template <int kD>
@@ -673,12 +833,19 @@ template <int kD>
 void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const float* lse, const float* D,
                            const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T, int64_t H, int64_t dh,
                            int64_t grad_ld, float grad_scale, cudaStream_t stream) {
-  const size_t bytes = sizeof(bf16) * ((2 * kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8) +
-                                       kFlashBlockRows * (kFlashTileRows + 8)) +
-                       sizeof(float) * 4 * kFlashTileRows;
-  MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_backward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  flash_backward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H),
-                                                             int(dh), grad_ld, grad_scale);
+  if constexpr (kD == 128) {  // head sizes 97..128: on wgmma
+    MOEUT_CUDA_CHECK(
+        cudaFuncSetAttribute(flash_backward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWgBackwardSmem)));
+    flash_backward_wgmma<<<flash_blocks(B, T, H), kWgThreads, kWgBackwardSmem, stream>>>(
+        dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H), int(dh), grad_ld, grad_scale);
+  } else {
+    const size_t bytes = sizeof(bf16) * ((2 * kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8) +
+                                         kFlashBlockRows * (kFlashTileRows + 8)) +
+                         sizeof(float) * 4 * kFlashTileRows;
+    MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_backward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    flash_backward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(
+        dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H), int(dh), grad_ld, grad_scale);
+  }
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -70,6 +70,17 @@ __device__ __forceinline__ int acc_col(int j) { return (j / 4) * 8 + int(threadI
   "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),    \
   "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+// The 32 fp32 accumulators of an m64n64 product, as operands %0..%31.
+#define MOEUT_WGMMA_D32_OPERANDS                                                              \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                   \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+#define MOEUT_WGMMA_D32(d)                                                                    \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),      \
+  "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),    \
+  "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),    \
+  "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
 // d[64x128] (+)= A[64x16] · B[16x128], fp32 accumulators, bf16 operands from shared memory.
 // kTransA/kTransB: 1 when that operand is MN-major. accumulate = false overwrites d.
 template <int kTransA, int kTransB>
@@ -95,6 +106,18 @@ __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const uint32_t
       "{%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
       : MOEUT_WGMMA_D64(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB));
+}
+
+// d[64x64] (+)= A[64x16] · B[16x64], both from shared memory; as mma_m64n128k16.
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void mma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      MOEUT_WGMMA_D32_OPERANDS
+      "%32, %33, p, 1, 1, %35, %36;\n}\n"
+      : MOEUT_WGMMA_D32(d)
+      : "l"(a), "l"(b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB));
 }
 
 }  // namespace moeut::cuda::wgmma

@@ -280,8 +280,9 @@ TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {
   struct Case { int64_t B, T, H, dh; };
   // Head sizes of every profile (the flash kernels pad them to 32, 96 or 128), sequence lengths
   // on and off their 128-row blocks and 64-row tiles (320: two and a half blocks, five tiles),
-  // and one head size above 128 (the cuBLAS path). 120 and 100 take the wgmma forward below 128
-  // columns (100: rows not 16 bytes apart, element by element).
+  // and one head size above 128 (the cuBLAS path). 128, 120 and 100 take the wgmma kernels
+  // (forward and backward; 120 and 100 below 128 columns, 100 with rows not 16 bytes apart,
+  // element by element).
   for (const Case& c : {Case{2, 1024, 2, 128}, Case{3, 100, 4, 82}, Case{2, 130, 3, 96}, Case{4, 64, 2, 32},
                         Case{2, 320, 2, 64}, Case{1, 70, 2, 136}, Case{2, 200, 3, 120}, Case{1, 150, 2, 100}}) {
     SCOPED_TRACE("T " + std::to_string(c.T) + " dh " + std::to_string(c.dh));
