@@ -123,13 +123,17 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   }
 }
 
-// One warp per row, rows strided over the grid, V columns per lane at a time. Each warp adds its
-// rows' parameter gradients into its own slice of shared memory (lanes own their columns, so no
-// atomics), and the block adds the slices into the global gradients once. out, when not null,
-// receives the forward's output again (x̂·w + b, the forward kernel's expression), read in the
-// second pass anyway.
+// One warp per row, rows strided over the grid, V columns per lane at a time. As in the forward
+// kernel, a lane keeps its first kBackwardRegisterChunks chunks of the row's gradient and input in
+// registers, so both are read from memory once, all of a lane's loads in flight together. Each
+// warp adds its rows' parameter gradients into its own slice of shared memory (lanes own their
+// columns, so no atomics), and the block adds the slices into the global gradients once. out,
+// when not null, receives the forward's output again (x̂·w + b, the forward kernel's expression),
+// read in the second pass anyway.
+constexpr int kBackwardRegisterChunks = 12;
 template <int V>
-__global__ void layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, float* dw, float* db,
+__global__ void __launch_bounds__(kBackwardWarps * 32, 3)
+    layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, float* dw, float* db,
                                           const float* dout, const float* x, const __nv_bfloat16* w,
                                           const __nv_bfloat16* b, const float* mean, const float* rstd, int64_t n,
                                           int d) {
@@ -139,24 +143,37 @@ __global__ void layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __n
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* dw_acc = acc + warp * 2 * d;
   float* db_acc = dw_acc + d;
+  constexpr int kStride = 32 * V, kHeld = kStride * kBackwardRegisterChunks;
   for (int64_t row = int64_t(blockIdx.x) * kBackwardWarps + warp; row < n; row += int64_t(gridDim.x) * kBackwardWarps) {
     const float* xr = x + row * d;
     const float* gr = dout + row * d;
+    Cols<V> g_held[kBackwardRegisterChunks], x_held[kBackwardRegisterChunks];
+#pragma unroll
+    for (int c = 0; c < kBackwardRegisterChunks; ++c)
+      if (const int i = lane * V + c * kStride; i < d) g_held[c] = load_cols<V>(gr + i), x_held[c] = load_cols<V>(xr + i);
+    // f(i, gradient, input) over this lane's chunks in column order: the held ones, then those
+    // read again.
+    auto each_chunk = [&](auto f) {
+#pragma unroll
+      for (int c = 0; c < kBackwardRegisterChunks; ++c)
+        if (const int i = lane * V + c * kStride; i < d) f(i, g_held[c], x_held[c]);
+      for (int i = kHeld + lane * V; i < d; i += kStride) f(i, load_cols<V>(gr + i), load_cols<V>(xr + i));
+    };
     const float mu = mean[row], rs = rstd[row];
     float g_mean = 0.f, gx_mean = 0.f;
-    for (int i = lane * V; i < d; i += 32 * V) {
-      const Cols<V> gv = load_cols<V>(gr + i), xv = load_cols<V>(xr + i), wv = load_cols<V>(w + i);
+    each_chunk([&](int i, const Cols<V>& gv, const Cols<V>& xv) {
+      const Cols<V> wv = load_cols<V>(w + i);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const float g = gv.v[k] * wv.v[k];
         g_mean += g;
         gx_mean += g * (xv.v[k] - mu) * rs;
       }
-    }
+    });
     g_mean = warp_sum(g_mean) / float(d);
     gx_mean = warp_sum(gx_mean) / float(d);
-    for (int i = lane * V; i < d; i += 32 * V) {
-      const Cols<V> gv = load_cols<V>(gr + i), xv = load_cols<V>(xr + i), wv = load_cols<V>(w + i);
+    each_chunk([&](int i, const Cols<V>& gv, const Cols<V>& xv) {
+      const Cols<V> wv = load_cols<V>(w + i);
       Cols<V> dxv = load_cols<V>(dx + row * d + i), dwv = load_cols<V>(dw_acc + i), dbv = load_cols<V>(db_acc + i);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
@@ -176,7 +193,7 @@ __global__ void layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __n
       }
       store_cols<V>(dw_acc + i, dwv);
       store_cols<V>(db_acc + i, dbv);
-    }
+    });
   }
   __syncthreads();
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
