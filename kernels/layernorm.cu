@@ -55,6 +55,17 @@ __device__ __forceinline__ void store_cols(__nv_bfloat16* p, const Cols<V>& c) {
   }
 }
 
+// The LayerNorm's output x̂·w + b of V columns, one expression for the forward kernel and the
+// backward's second writing of it, so that the two agree bit for bit.
+template <int V>
+__device__ __forceinline__ Cols<V> normalized(const Cols<V>& xv, float mu, float rs, const Cols<V>& wv,
+                                              const Cols<V>& bv) {
+  Cols<V> o;
+#pragma unroll
+  for (int k = 0; k < V; ++k) o.v[k] = (xv.v[k] - mu) * rs * wv.v[k] + bv.v[k];
+  return o;
+}
+
 // V = 4 needs d a multiple of 4 and every row start aligned for its loads.
 bool four_wide(int64_t d, std::initializer_list<const void*> fp32, std::initializer_list<const void*> bf16) {
   bool ok = d % 4 == 0;
@@ -111,11 +122,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   });
   const float rs = rsqrtf(warp_sum(v) / float(d) + float(kLayerNormEps));
   each_chunk([&](int i, const Cols<V>& xv) {
-    const Cols<V> wv = load_cols<V>(w + i), bv = load_cols<V>(b + i);
-    Cols<V> o;
-#pragma unroll
-    for (int k = 0; k < V; ++k) o.v[k] = (xv.v[k] - mu) * rs * wv.v[k] + bv.v[k];
-    store_cols<V>(out + row * d + i, o);
+    store_cols<V>(out + row * d + i, normalized<V>(xv, mu, rs, load_cols<V>(w + i), load_cols<V>(b + i)));
   });
   if (lane == 0) {
     mean[row] = mu;
@@ -128,15 +135,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 // registers, so both are read from memory once, all of a lane's loads in flight together. Each
 // warp adds its rows' parameter gradients into its own slice of shared memory (lanes own their
 // columns, so no atomics), and the block adds the slices into the global gradients once. out,
-// when not null, receives the forward's output again (x̂·w + b, the forward kernel's expression),
-// read in the second pass anyway.
+// when not null, receives the forward's output again (normalized, as the forward kernel), its
+// operands read in the second pass anyway.
 constexpr int kBackwardRegisterChunks = 12;
 template <int V>
 __global__ void __launch_bounds__(kBackwardWarps * 32, 3)
     layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, float* dw, float* db,
-                                          const float* dout, const float* x, const __nv_bfloat16* w,
-                                          const __nv_bfloat16* b, const float* mean, const float* rstd, int64_t n,
-                                          int d) {
+                              const float* dout, const float* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                              const float* mean, const float* rstd, int64_t n, int d) {
   extern __shared__ float acc[];  // [kBackwardWarps][2][d]
   for (int i = threadIdx.x; i < kBackwardWarps * 2 * d; i += blockDim.x) acc[i] = 0.f;
   __syncthreads();
@@ -184,13 +190,7 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, 3)
       }
       store_cols<V>(dx + row * d + i, dxv);
       if (dx_bf16) store_cols<V>(dx_bf16 + row * d + i, dxv);
-      if (out) {
-        const Cols<V> bv = load_cols<V>(b + i);
-        Cols<V> o;
-#pragma unroll
-        for (int k = 0; k < V; ++k) o.v[k] = (xv.v[k] - mu) * rs * wv.v[k] + bv.v[k];
-        store_cols<V>(out + row * d + i, o);
-      }
+      if (out) store_cols<V>(out + row * d + i, normalized<V>(xv, mu, rs, wv, load_cols<V>(b + i)));
       store_cols<V>(dw_acc + i, dwv);
       store_cols<V>(db_acc + i, dbv);
     });
