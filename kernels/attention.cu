@@ -347,20 +347,19 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
   for (float& x : o) x = 0.f;
   const uint32_t q_rows = smem_u32(Qs) + 64 * 128 * wg;
 
+  // One barrier per key tile: past it, this tile has landed and every thread is done with the
+  // previous one, whose buffers then take the next tile's copies.
   for (int kt = 0; kt <= last_kt; ++kt) {
     const int buf = kt & 1, key0 = kt * kWgKeys;
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    wgmma::fence_shared_for_async();
+    __syncthreads();
     if (kt < last_kt) {  // the next key tile streams in while this one is used
       load_swizzled_tile<128>(Ks + (buf ^ 1) * kWgTile, k + base, ld, key0 + kWgKeys, T, dh, vec);
       load_swizzled_tile<128>(Vs + (buf ^ 1) * kWgTile, v + base, ld, key0 + kWgKeys, T, dh, vec);
     }
     asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 1;\n" ::);
-    wgmma::fence_shared_for_async();
-    __syncthreads();
-    if (key0 > wg_row0 + 63) {  // every key of the tile is after every row of this warpgroup
-      __syncthreads();         // (the barrier that ends the other path)
-      continue;
-    }
+    if (key0 > wg_row0 + 63) continue;  // every key of the tile is after every row of this warpgroup
     const uint32_t k_tile = smem_u32(Ks + buf * kWgTile), v_tile = smem_u32(Vs + buf * kWgTile);
 
     // S (64 x 128 keys per warpgroup) = Q Kᵀ, 8 steps of 16 head dims (4 per slab).
@@ -392,7 +391,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
     for (int kk = 0; kk < 8; ++kk) wgmma::mma_m64n128k16_rs<1>(o, p[kk], wgmma::mn_major(v_tile, kWgSlab, kk));
     wgmma::commit();
     wgmma::wait<0>();
-    __syncthreads();  // this tile's buffers are refilled by the next step's copies
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
   l_a = group_sum<4>(l_a), l_b = group_sum<4>(l_b);
@@ -746,13 +744,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
   for (int j = 0; j < 64; ++j) dk_acc[j] = dv_acc[j] = 0.f;
 
+  // Two barriers per query tile. Past the first, this tile has landed and every thread is done
+  // with the previous one, whose buffers (and dSᵀ) then take the next tile's copies.
   for (int qt = first_qt; qt < tiles; ++qt) {
     const int buf = (qt - first_qt) & 1, query0 = qt * kWgQueries;
-    if (qt + 1 < tiles) load_query_tile(buf ^ 1, qt + 1);
-    asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 1;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::);
     wgmma::fence_shared_for_async();
     __syncthreads();
+    if (qt + 1 < tiles) load_query_tile(buf ^ 1, qt + 1);
+    asm volatile("cp.async.commit_group;\n" ::);
     const uint32_t q_tile = smem_u32(Qs + buf * kWgQueryTile), do_tile = smem_u32(dOs + buf * kWgQueryTile);
     if (wg_key0 <= query0 + kWgQueries - 1) {  // some query of the tile sees some key of this warpgroup
       // Sᵀ and dPᵀ, 8 steps of 16 head dims each (4 per slab), issued together.
@@ -808,7 +808,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma::commit();
     wgmma::wait<0>();  // dV and dK's products too
     add_dq<8>(dq_acc + base, dq, query0 + wgmma::acc_row(0), 64 * wg, T, dh, ld, dq_vec4);
-    __syncthreads();  // Q, dO, dSᵀ of this tile are overwritten next
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
   store_dk_dv<16>(dk + int64_t(f.b) * T * grad_ld + int64_t(f.h) * dh, dv + base, dk_acc, dv_acc, key_a, T, dh, grad_ld,
