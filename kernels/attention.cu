@@ -171,6 +171,12 @@ __host__ inline unsigned flash_blocks(int64_t B, int64_t T, int64_t H) {
 struct FlashHead {
   int tiles, rank, bh, b, h;
   int64_t ld, base;
+  // In the forward pass: the block's first query row (rank 0 takes the last query block, which
+  // attends to the most keys), and the last key tile of `key_rows` rows that its rows see.
+  __device__ int forward_rows() const { return (tiles - 1 - rank) * kFlashBlockRows; }
+  __device__ int last_key_tile(int T, int key_rows) const {
+    return min(T - 1, forward_rows() + kFlashBlockRows - 1) / key_rows;
+  }
 };
 __device__ __forceinline__ FlashHead flash_head(int T, int H, int dh) {
   const int tiles = (T + kFlashBlockRows - 1) / kFlashBlockRows;
@@ -194,12 +200,9 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
   bf16* Ks = Qs + kFlashBlockRows * kStride;          // [2][64][kStride]
   bf16* Vs = Ks + 2 * kTile;                          // [2][64][kStride]
   const FlashHead f = flash_head(T, H, dh);
-  const int qt = f.tiles - 1 - f.rank;  // the last query tile attends to the most keys
-  const int bh = f.bh;
+  const int bh = f.bh, q0 = f.forward_rows(), last_kt = f.last_key_tile(T, kFlashTileRows);
   const int64_t ld = f.ld, base = f.base;
   const bool vec = rows_16_bytes(f, dh, q, k, v);
-  const int q0 = qt * kFlashBlockRows;
-  const int last_kt = min(T - 1, q0 + kFlashBlockRows - 1) / kFlashTileRows;  // the block's last key tile
 
   load_head_tile<kD, kFlashBlockRows>(Qs, q + base, ld, q0, T, dh, vec);
   load_head_tile<kD, kFlashTileRows>(Ks, k + base, ld, 0, T, dh, vec);
@@ -325,12 +328,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
   unsigned char* const Ks = Qs + kWgTile;       // [2] tiles
   unsigned char* const Vs = Ks + 2 * kWgTile;   // [2] tiles
   const FlashHead f = flash_head(T, H, dh);
-  const int qt = f.tiles - 1 - f.rank;  // the last query tile attends to the most keys
-  const int bh = f.bh;
+  const int bh = f.bh, q0 = f.forward_rows(), last_kt = f.last_key_tile(T, kWgKeys);
   const int64_t ld = f.ld, base = f.base;
   const bool vec = rows_16_bytes(f, dh, q, k, v);
-  const int q0 = qt * kFlashBlockRows;
-  const int last_kt = min(T - 1, q0 + kFlashBlockRows - 1) / kWgKeys;  // the block's last key tile
 
   load_swizzled_tile<128>(Qs, q + base, ld, q0, T, dh, vec);
   load_swizzled_tile<128>(Ks, k + base, ld, 0, T, dh, vec);
