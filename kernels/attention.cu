@@ -302,6 +302,17 @@ constexpr uint32_t kWgSlab = 128 * 128;        // bytes of one 64-column slab of
 constexpr uint32_t kWgTile = 2 * kWgSlab;      // a 128 x 128 tile
 constexpr size_t kWgSmem = 5 * kWgTile + 1024;  // Q, K x 2, V x 2, and room to align to 1024
 
+// An accumulator's columns, rounded to bf16, as register A operands of the next product
+// (wgmma.cuh's mma_m64n128k16_rs): step kk takes columns 16kk .. 16kk + 15, its elements 8kk ..
+// 8kk + 7 in pairs.
+template <int kSteps>
+__device__ __forceinline__ void a_fragments(uint32_t (&a)[kSteps][4], const float* acc) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[kk][i] = pack_bf16(acc[8 * kk + 2 * i], acc[8 * kk + 2 * i + 1]);
+}
+
 // Rows [row0, row0 + kRows) of one head (rows `ld` apart, dh <= 128 used) into a swizzled
 // kRows x 128 tile (two slabs of kRows x 64), zeros past dh and past T; 16-byte copies when rows
 // allow them.
@@ -383,10 +394,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
     // MN-major B operand. P is packed whole before the products, so that they issue back to back
     // (registers written between them would make the compiler fence each one).
     uint32_t p[8][4];
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) p[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    a_fragments(p, s);
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) wgmma::mma_m64n128k16_rs<1>(o, p[kk], wgmma::mn_major(v_tile, kWgSlab, kk));
@@ -773,13 +781,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       // Pᵀ and dSᵀ as A fragments, 16 queries a step, packed whole before the products; dSᵀ
       // also into shared memory (row: key, chunk: 8 queries).
       uint32_t pa[4][4], sa[4][4];
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          pa[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-          sa[kk][i] = pack_bf16(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1]);
-        }
+      a_fragments(pa, s);
+      a_fragments(sa, dp);
 #pragma unroll
       for (int j = 0; j < 32; j += 2) {  // elements j, j + 1: adjacent queries of one key
         const int row = 64 * wg + wgmma::acc_row(j), col = wgmma::acc_col(j);
