@@ -171,6 +171,12 @@ __host__ inline unsigned flash_blocks(int64_t B, int64_t T, int64_t H) {
 struct FlashHead {
   int tiles, rank, bh, b, h;
   int64_t ld, base;
+  // In the forward pass: the block's first query row (rank 0 takes the last query block, which
+  // attends to the most keys), and the last key tile of `key_rows` rows that its rows see.
+  __device__ int forward_rows() const { return (tiles - 1 - rank) * kFlashBlockRows; }
+  __device__ int last_key_tile(int T, int key_rows) const {
+    return min(T - 1, forward_rows() + kFlashBlockRows - 1) / key_rows;
+  }
 };
 __device__ __forceinline__ FlashHead flash_head(int T, int H, int dh) {
   const int tiles = (T + kFlashBlockRows - 1) / kFlashBlockRows;
@@ -194,12 +200,9 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
   bf16* Ks = Qs + kFlashBlockRows * kStride;          // [2][64][kStride]
   bf16* Vs = Ks + 2 * kTile;                          // [2][64][kStride]
   const FlashHead f = flash_head(T, H, dh);
-  const int qt = f.tiles - 1 - f.rank;  // the last query tile attends to the most keys
-  const int bh = f.bh;
+  const int bh = f.bh, q0 = f.forward_rows(), last_kt = f.last_key_tile(T, kFlashTileRows);
   const int64_t ld = f.ld, base = f.base;
   const bool vec = rows_16_bytes(f, dh, q, k, v);
-  const int q0 = qt * kFlashBlockRows;
-  const int last_kt = min(T - 1, q0 + kFlashBlockRows - 1) / kFlashTileRows;  // the block's last key tile
 
   load_head_tile<kD, kFlashBlockRows>(Qs, q + base, ld, q0, T, dh, vec);
   load_head_tile<kD, kFlashTileRows>(Ks, k + base, ld, 0, T, dh, vec);
@@ -299,6 +302,17 @@ constexpr uint32_t kWgSlab = 128 * 128;        // bytes of one 64-column slab of
 constexpr uint32_t kWgTile = 2 * kWgSlab;      // a 128 x 128 tile
 constexpr size_t kWgSmem = 5 * kWgTile + 1024;  // Q, K x 2, V x 2, and room to align to 1024
 
+// An accumulator's columns, rounded to bf16, as register A operands of the next product
+// (wgmma.cuh's mma_m64n128k16_rs): step kk takes columns 16kk .. 16kk + 15, its elements 8kk ..
+// 8kk + 7 in pairs.
+template <int kSteps>
+__device__ __forceinline__ void a_fragments(uint32_t (&a)[kSteps][4], const float* acc) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[kk][i] = pack_bf16(acc[8 * kk + 2 * i], acc[8 * kk + 2 * i + 1]);
+}
+
 // Rows [row0, row0 + kRows) of one head (rows `ld` apart, dh <= 128 used) into a swizzled
 // kRows x 128 tile (two slabs of kRows x 64), zeros past dh and past T; 16-byte copies when rows
 // allow them.
@@ -325,12 +339,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
   unsigned char* const Ks = Qs + kWgTile;       // [2] tiles
   unsigned char* const Vs = Ks + 2 * kWgTile;   // [2] tiles
   const FlashHead f = flash_head(T, H, dh);
-  const int qt = f.tiles - 1 - f.rank;  // the last query tile attends to the most keys
-  const int bh = f.bh;
+  const int bh = f.bh, q0 = f.forward_rows(), last_kt = f.last_key_tile(T, kWgKeys);
   const int64_t ld = f.ld, base = f.base;
   const bool vec = rows_16_bytes(f, dh, q, k, v);
-  const int q0 = qt * kFlashBlockRows;
-  const int last_kt = min(T - 1, q0 + kFlashBlockRows - 1) / kWgKeys;  // the block's last key tile
 
   load_swizzled_tile<128>(Qs, q + base, ld, q0, T, dh, vec);
   load_swizzled_tile<128>(Ks, k + base, ld, 0, T, dh, vec);
@@ -382,10 +393,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
     // MN-major B operand. P is packed whole before the products, so that they issue back to back
     // (registers written between them would make the compiler fence each one).
     uint32_t p[8][4];
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) p[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    a_fragments(p, s);
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) wgmma::mma_m64n128k16_rs<1>(o, p[kk], wgmma::mn_major(v_tile, kWgSlab, kk));
@@ -773,13 +781,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       // Pᵀ and dSᵀ as A fragments, 16 queries a step, packed whole before the products; dSᵀ
       // also into shared memory (row: key, chunk: 8 queries).
       uint32_t pa[4][4], sa[4][4];
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          pa[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-          sa[kk][i] = pack_bf16(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1]);
-        }
+      a_fragments(pa, s);
+      a_fragments(sa, dp);
 #pragma unroll
       for (int j = 0; j < 32; j += 2) {  // elements j, j + 1: adjacent queries of one key
         const int row = 64 * wg + wgmma::acc_row(j), col = wgmma::acc_col(j);
