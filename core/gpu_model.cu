@@ -30,7 +30,7 @@ using cuda::check_cublas;
 }  // namespace
 
 struct GpuModel::Layer {
-  DeviceBuffer<bf16> xb, q, k, heads, x_midb, hidden;
+  DeviceBuffer<bf16> q, k, heads, x_midb, hidden;
   // The value experts' unweighted rows, one per selection [N·H·ka, dh] (see cuda::at_selections):
   // the values are summed from them when needed, and their routing-weight gradient dots them.
   DeviceBuffer<bf16> v_sel;
@@ -75,7 +75,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   planner_ = std::make_unique<cuda::CvmmPlanner>(std::max(M * kf, N * hk), std::max(Ef, he));
   for (Layer& L : layers_) {
     for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) *plan = planner_->make_buffers();
-    for (auto* b : {&L.xb, &L.x_midb}) *b = DeviceBuffer<bf16>(size_t(N * d));
+    L.x_midb = DeviceBuffer<bf16>(size_t(N * d));
     for (auto* b : {&L.q, &L.k, &L.heads}) *b = DeviceBuffer<bf16>(size_t(N * hd));
     L.v_sel = DeviceBuffer<bf16>(size_t(N * hk * cfg_.d_head));
     L.hidden = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
@@ -97,6 +97,11 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   }
   xf_ = DeviceBuffer<bf16>(size_t(N * d));
   xn_ = DeviceBuffer<bf16>(size_t(N * d));
+  xb_ = DeviceBuffer<bf16>(size_t(N * d));
+  if (cfg_.repeats() > 1) {  // some uses defer their expert weight gradients (see WeightGradTurn)
+    deferred_dy_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * M * d));
+    deferred_dhidden_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * M * kf * cfg_.ff_expert_size));
+  }
   mean_f_ = DeviceBuffer<float>(size_t(N));
   rstd_f_ = DeviceBuffer<float>(size_t(N));
   row_loss_ = DeviceBuffer<float>(size_t(N));
@@ -269,7 +274,7 @@ void GpuModel::attention_forward(int64_t l) {
   // xb: the raw residual in bf16, which the value experts read; x_mid starts as x (the output
   // experts add into it).
   cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
-                          d, stream_, L.xb.get(), L.x_mid.get());
+                          d, stream_, xb_.get(), L.x_mid.get());
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
   dense(xn_.get(), p + "attention.q.weight", N, hd, s, L.q.get(), CUDA_R_16BF);
@@ -283,7 +288,7 @@ void GpuModel::attention_forward(int64_t l) {
   mark(Part::kExperts);
   planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, stream_);
   planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, stream_);
-  cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()), {L.xb.get(), wparam(p + "attention.v"), nullptr, L.v_sel.get(),
+  cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()), {xb_.get(), wparam(p + "attention.v"), nullptr, L.v_sel.get(),
                                                          nullptr, nullptr, nullptr, d, dh, false, false}, stream_);
   cuda::cvmm_sum_selections(v_.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
   mark(Part::kAttention);
@@ -390,6 +395,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       ffn_backward(l);
       attention_backward(l);
     }
+    weight_grads_->join();  // the first layer's value weight gradient
     mark(Part::kOther);
     cuda::embedding_backward(gparam("embedding.weight"), dres_.get(), inputs_.get(), N, d, stream_);
     fold_router_grads();
@@ -461,14 +467,13 @@ void GpuModel::ffn_backward(int64_t l) {
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * kf) * sizeof(float), stream_));
   if (!dispatcher_) {
     mark(Part::kExperts);
-    experts_backward(l, dresb_.get(), L.x_midb.get(), L.w_ff.get(), N, dres_.get(), dw_.get());
+    experts_backward(l, dresb_.get(), dres_.get(), dw_.get());
   } else {
     mark(Part::kExperts);
     dispatcher_->dispatch_grad(L.route, dresb_.get(), recv_dy_.get());
     MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(L.received * d) * sizeof(float), stream_));
     MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_dw_.get(), 0, size_t(L.received * kf) * sizeof(float), stream_));
-    experts_backward(l, recv_dy_.get(), L.recv_x.get(), L.recv_weight.get(), L.received, recv_rows_.get(),
-                     recv_dw_.get());
+    experts_backward(l, recv_dy_.get(), recv_rows_.get(), recv_dw_.get());
     dispatcher_->combine_grad(L.route, recv_rows_.get(), recv_dw_.get(), dres_.get(), dw_.get());
   }
   // The router: its gradient's rows padded to router_ld (zeros past Ef), its weight likewise.
@@ -486,26 +491,64 @@ void GpuModel::ffn_backward(int64_t l) {
   dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(l % cfg_.group_size), N, ld);
 }
 
-void GpuModel::experts_backward(int64_t l, const bf16* dY, const bf16* X, const float* weight, int64_t rows, float* dX,
-                                float* dw) {
+GpuModel::ExpertRows GpuModel::expert_rows(int64_t l) const {
+  const Layer& L = layers_[l];
+  if (dispatcher_) return {L.recv_x.get(), L.recv_weight.get(), L.received};
+  return {L.x_midb.get(), L.w_ff.get(), B_ * cfg_.context};
+}
+
+GpuModel::WeightGradTurn GpuModel::weight_grad_turn(int64_t l) const {
+  const int64_t r = l / cfg_.group_size, from_top = cfg_.repeats() - 1 - r;
+  if (from_top % 2 == 1) return WeightGradTurn::kWithDeferred;
+  return r > 0 ? WeightGradTurn::kDefer : WeightGradTurn::kAlone;
+}
+
+void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw) {
   Layer& L = layers_[l];
-  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t g = l % cfg_.group_size, G = cfg_.group_size;
+  const std::string p = layer_prefix(g);
   const int64_t d = cfg_.d_model, E = layout_.shard().count, es = cfg_.ff_expert_size;
+  const ExpertRows in = expert_rows(l);
+  const WeightGradTurn turn = weight_grad_turn(l);
+  // A deferring use keeps its output gradient and hidden-unit gradient in its physical layer's
+  // slot until the use below runs the weight gradients of both.
+  const int64_t dy_slot = deferred_dy_.size() / G, dh_slot = deferred_dhidden_.size() / G;
+  bf16* const deferred_dy = turn == WeightGradTurn::kAlone ? nullptr : deferred_dy_.get() + g * dy_slot;
+  bf16* const deferred_dh = turn == WeightGradTurn::kAlone ? nullptr : deferred_dhidden_.get() + g * dh_slot;
+  bf16* const dhidden = turn == WeightGradTurn::kDefer ? deferred_dh : dhidden_.get();
   mark(Part::kExperts);
+  if (turn == WeightGradTurn::kDefer)
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(deferred_dy, dY, size_t(in.rows * d) * sizeof(bf16), cudaMemcpyDeviceToDevice,
+                                     stream_));
   // Each weight gradient runs on the side stream beside the input gradient that shares its
-  // inputs; the main stream waits for both before dhidden is written again.
-  weight_grads_->fork();
-  cuda::cvmm_weight_grad(L.plan_ff.view(true), {L.hidden.get(), dY, weight, true, gparam(p + "ffn.values"), es, d, E},
-                         weight_grads_->get());
+  // inputs; the main stream waits for both before dhidden is written again. deferred(U, rows):
+  // the same product's plan and arguments for the deferred use U.
+  auto weight_grad = [&](const cuda::CvmmPlan& plan, const cuda::CvmmWeightGradArgs& a, auto deferred) {
+    if (turn == WeightGradTurn::kDefer) return;
+    weight_grads_->fork();
+    if (turn == WeightGradTurn::kAlone) {
+      cuda::cvmm_weight_grad(plan, a, weight_grads_->get());
+    } else {
+      const auto [deferred_plan, deferred_args] = deferred(layers_[l + G], expert_rows(l + G));
+      cuda::cvmm_weight_grad(deferred_plan, deferred_args, plan, a, weight_grads_->get());
+    }
+  };
+  float* const dvalues = gparam(p + "ffn.values");
+  weight_grad(L.plan_ff.view(true), {L.hidden.get(), dY, in.weight, true, dvalues, es, d, E},
+              [&](const Layer& U, const ExpertRows& rows) {
+                return std::pair{U.plan_ff.view(true),
+                                 cuda::CvmmWeightGradArgs{U.hidden.get(), deferred_dy, rows.weight, true, dvalues, es, d, E}};
+              });
   // dhidden comes out already through the ReLU's gradient (masked where hidden is 0); the
   // routing-weight gradient is the same either way, its dot products reading hidden itself.
-  cuda::cvmm_rows(L.plan_ff.view(), {dY, wparam(p + "ffn.values"), weight, dhidden_.get(), nullptr, dw, L.hidden.get(),
-                                      d, es, true, false, 0, cuda::CvmmRowsArgs::Relu::kMaskByDotRows}, stream_);
-  weight_grads_->fork();
-  cuda::cvmm_weight_grad(L.plan_ff.view(), {X, dhidden_.get(), nullptr, true, gparam(p + "ffn.keys"), d, es, E},
-                         weight_grads_->get());
-  cuda::cvmm_rows(L.plan_ff.view(true), {dhidden_.get(), wparam(p + "ffn.keys"), nullptr, nullptr, dX, nullptr, nullptr,
-                                          es, d, true, true, rows}, stream_);
+  cuda::cvmm_rows(L.plan_ff.view(), {dY, wparam(p + "ffn.values"), in.weight, dhidden, nullptr, dw, L.hidden.get(), d, es,
+                                      true, false, 0, cuda::CvmmRowsArgs::Relu::kMaskByDotRows}, stream_);
+  float* const dkeys = gparam(p + "ffn.keys");
+  weight_grad(L.plan_ff.view(), {in.X, dhidden, nullptr, true, dkeys, d, es, E}, [&](const Layer& U, const ExpertRows& rows) {
+    return std::pair{U.plan_ff.view(), cuda::CvmmWeightGradArgs{rows.X, deferred_dh, nullptr, true, dkeys, d, es, E}};
+  });
+  cuda::cvmm_rows(L.plan_ff.view(true), {dhidden, wparam(p + "ffn.keys"), nullptr, nullptr, dX, nullptr, nullptr, es, d,
+                                          true, true, in.rows}, stream_);
   weight_grads_->join();
 }
 
@@ -545,9 +588,6 @@ void GpuModel::attention_backward(int64_t l) {
   // Value experts read the raw residual: their input gradient adds onto dres. Their routing-weight
   // gradient dots dv with each selection's kept row.
   mark(Part::kExperts);
-  weight_grads_->fork();
-  cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
-                                            H * Ea}, weight_grads_->get());
   cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), nullptr,
                                          nullptr, dh, d, true, true, N}, stream_);
   cuda::cvmm_selection_dots(dw_.get(), L.v_sel.get(), dv_.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
@@ -561,11 +601,19 @@ void GpuModel::attention_backward(int64_t l) {
                    attn_in_ld_, N, dxn_.get());
   weight_grads_->join();
   mark(Part::kOther);
-  // dresb for the layer below (none below the first: the embedding's gradient reads dres), and
-  // LN1's output again (bit for bit the forward's) into xn_ for the weight gradients.
+  // dresb for the layer below (none below the first: the embedding's gradient reads dres), LN1's
+  // output again (bit for bit the forward's) into xn_ for the weight gradients, and the raw
+  // residual in bf16 into xb_ for the value experts' (one buffer for all layers instead of one
+  // kept per layer: 1.8 GB at 1B).
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
                            wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_,
-                           l > 0 ? dresb_.get() : nullptr, wparam(p + "ln1.bias"), xn_.get());
+                           l > 0 ? dresb_.get() : nullptr, wparam(p + "ln1.bias"), xn_.get(), xb_.get());
+  // The value experts' weight gradient runs on the side stream beside what follows, until the
+  // next layer's expert backward (or the end of the pass) joins it, before xb_ and dv_ change.
+  mark(Part::kExperts);
+  weight_grads_->fork();
+  cuda::cvmm_weight_grad(L.plan_v.view(), {xb_.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh, H * Ea},
+                         weight_grads_->get());
   mark(Part::kDense);
   // Weight gradients: q and k are adjacent in the layout, as are the two routers (checked at
   // construction), so each pair is one product.

@@ -79,9 +79,24 @@ class GpuModel {
   // The FFN experts held here over `rows` token rows X (index: local expert ids, -1 where the
   // expert is elsewhere); out (fp32) += the weighted expert outputs.
   void experts_forward(int64_t l, const bf16* X, const int32_t* index, const float* weight, int64_t rows, float* out);
-  // Their backward: dX (fp32) += input gradients, dw (zeroed by the caller) += routing-weight
-  // gradients, and the expert-weight gradients.
-  void experts_backward(int64_t l, const bf16* dY, const bf16* X, const float* weight, int64_t rows, float* dX, float* dw);
+  // Their backward from dY, the gradient of their outputs: dX (fp32) += input gradients, dw
+  // (zeroed by the caller) += routing-weight gradients, and the expert-weight gradients.
+  void experts_backward(int64_t l, const bf16* dY, float* dX, float* dw);
+  // Layer l's token rows that the FFN experts here see: inputs, routing weights, count (the rows
+  // received from the group under expert parallelism).
+  struct ExpertRows {
+    const bf16* X;
+    const float* weight;
+    int64_t rows;
+  };
+  ExpertRows expert_rows(int64_t l) const;
+  // The FFN expert-weight gradients of two uses of a physical layer run as one product (see
+  // cuda::cvmm_weight_grad): going down, a use with an unpaired use below it defers its own,
+  // keeping its output and hidden-unit gradients in its physical layer's slot, and the use below
+  // runs both (with an odd number of uses the lowest runs alone). Each expert tile then makes one
+  // read-modify-write of the fp32 gradient where two products made two.
+  enum class WeightGradTurn { kAlone, kDefer, kWithDeferred };
+  WeightGradTurn weight_grad_turn(int64_t l) const;
   void attention_backward(int64_t l);
   // The backward of dense, in two halves. dy [rows, *] has rows dy_ld elements apart.
   // dW [out, d] += dyᵀ·x;  dx [rows, d] = dy[:, :k] · W [k, d].
@@ -140,6 +155,12 @@ class GpuModel {
   cuda::DeviceBuffer<bf16> xn_;
   cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_;
   cuda::DeviceBuffer<bf16> v_;  // the layer's values [N, H·dh], summed from its value experts' rows
+  // The raw residual entering the layer in bf16, which the value experts read: written by LN1's
+  // forward, and again by its backward for their weight gradient.
+  cuda::DeviceBuffer<bf16> xb_;
+  // Per physical layer, a deferring use's output gradient [rows, d] and hidden-unit gradient
+  // (see WeightGradTurn).
+  cuda::DeviceBuffer<bf16> deferred_dy_, deferred_dhidden_;
   // Backward scratch, shared by the layers.
   cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dheads_f32_;
   cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dv_;

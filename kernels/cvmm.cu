@@ -802,56 +802,71 @@ static_assert((WM + WN) * WS * 2 == kStageBytes, "weight-gradient stages share t
 // kByTma: which operand comes by tensor copies (its rows are positions: one 64 x 64 box per slab
 // and step), 0 for none. The box's rows past the expert's end belong to the next expert (or lie
 // past the tensor, read as zeros); each thread zeroes its chunk of those rows once they land.
+// `uses` (1 or 2) plans and operands share dW (two layers that share the expert weights): a tile
+// runs the first use's steps, then the second's, into one accumulator, and adds it to dW once.
 enum WeightGradTma { kGatherBoth = 0, kTmaA = 1, kTmaB = 2 };
 template <int kByTma>
 __global__ void __launch_bounds__(kRowsThreads, 2)
-    cvmm_weight_grad_kernel(CvmmPlan plan, CvmmWeightGradArgs a, int tile_group,
-                            const __grid_constant__ CUtensorMap by_position) {
+    cvmm_weight_grad_kernel(CvmmPlan plan0, CvmmWeightGradArgs a0, CvmmPlan plan1, CvmmWeightGradArgs a1, int uses,
+                            int tile_group, const __grid_constant__ CUtensorMap by_position0,
+                            const __grid_constant__ CUtensorMap by_position1) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
   __shared__ alignas(8) uint64_t full[kStages];  // the tensor copies of each stage
-  const int64_t K = a.K, N = a.N;
-  const int64_t n_tiles_n = (N + WN - 1) / WN, tiles = (K + WM - 1) / WM * n_tiles_n, E = a.n_experts;
+  const int64_t K = a0.K, N = a0.N;
+  const int64_t n_tiles_n = (N + WN - 1) / WN, tiles = (K + WM - 1) / WM * n_tiles_n, E = a0.n_experts;
   // Block b: tile `tile` of expert e, in groups of tile_group tiles of every expert (see
   // kWeightGradTileGroup); a group past the last tile is cut to the tiles left.
   const int64_t g = int64_t(blockIdx.x) / (E * tile_group), in_group = min64(tile_group, tiles - g * tile_group);
   const int64_t rem = int64_t(blockIdx.x) - g * E * tile_group, tile = g * tile_group + rem % in_group;
   const int e = int(rem / in_group);
   const int64_t k0 = (tile / n_tiles_n) * WM, n0 = (tile % n_tiles_n) * WN;
-  const int64_t begin = plan.expert_begin[e], end = plan.expert_begin[e + 1];
-  if (begin == end) return;
+  const int64_t begin0 = plan0.expert_begin[e], end0 = plan0.expert_begin[e + 1];
+  const int64_t begin1 = uses > 1 ? plan1.expert_begin[e] : 0, end1 = uses > 1 ? plan1.expert_begin[e + 1] : 0;
+  if (begin0 == end0 && begin1 == end1) return;
+  const int steps0 = int((end0 - begin0 + WS - 1) / WS), steps = steps0 + int((end1 - begin1 + WS - 1) / WS);
   if constexpr (kByTma != kGatherBoth) {
     if (threadIdx.x < kStages) mbar_init(&full[threadIdx.x], 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     __syncthreads();
   }
-  const bool a_aligned = vectorizable(a.A, K), b_aligned = vectorizable(a.B, N);
+  const bool a_aligned = vectorizable(a0.A, K) && (uses < 2 || vectorizable(a1.A, K));
+  const bool b_aligned = vectorizable(a0.B, N) && (uses < 2 || vectorizable(a1.B, N));
   // This thread's copies in every step: chunk `chunk` (8 columns) of rows row0 + 16·i, i < 4,
   // of both operands; the 128 columns of a row are two slabs of 64.
   const int chunk = threadIdx.x % 16, row0 = threadIdx.x / 16;
   constexpr int kSlabBytes = WS * 128;
   auto chunk_offset = [&](int r) { return (chunk / 8) * kSlabBytes + wgmma::swizzled_chunk(r, chunk % 8); };
+  // A step's use (the second's steps follow the first's), its first position and its use's end.
+  auto second = [&](int step) { return step >= steps0; };
+  auto step_first = [&](int step) { return second(step) ? begin1 + int64_t(step - steps0) * WS : begin0 + int64_t(step) * WS; };
+  auto step_end = [&](int step) { return second(step) ? end1 : end0; };
 
   // The rows and routing weights of a step are looked up one step ahead, so the index loads
   // overlap the products instead of stalling the copies that need them; a weight needs its
   // selection first, so selections are looked up one step further ahead (a weight's load never
   // waits on the selection's).
-  int64_t arow[4], brow[4];
+  int32_t arow[4], brow[4];
   float w[4];
   int sel[4];  // the selections of the step after the one last looked up
-  auto position = [&](int step, int i) { return begin + int64_t(step) * WS + row0 + 16 * i; };
   auto look_up_selections = [&](int step) {
+    const int32_t* by_expert = second(step) ? plan1.by_expert : plan0.by_expert;
+    const int64_t first = step_first(step) + row0, end = step_end(step);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) sel[i] = a.weight && position(step, i) < end ? plan.by_expert[position(step, i)] : -1;
+    for (int i = 0; i < 4; ++i) sel[i] = a0.weight && first + 16 * i < end ? by_expert[first + 16 * i] : -1;
   };
   auto look_up = [&](int step) {
+    const int32_t* in_row = second(step) ? plan1.in_row : plan0.in_row;
+    const int32_t* out_row = second(step) ? plan1.out_row : plan0.out_row;
+    const float* weight = second(step) ? a1.weight : a0.weight;
+    const int64_t first = step_first(step) + row0, end = step_end(step);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int64_t p = position(step, i);
+      const int64_t p = first + 16 * i;
       const bool live = p < end;
-      arow[i] = !live ? -1 : a.a_by_in_row ? plan.in_row[p] : plan.out_row[p];
-      brow[i] = !live ? -1 : a.a_by_in_row ? plan.out_row[p] : plan.in_row[p];
-      w[i] = sel[i] >= 0 ? a.weight[sel[i]] : 1.f;
+      arow[i] = !live ? -1 : a0.a_by_in_row ? in_row[p] : out_row[p];
+      brow[i] = !live ? -1 : a0.a_by_in_row ? out_row[p] : in_row[p];
+      w[i] = sel[i] >= 0 ? weight[sel[i]] : 1.f;
     }
     look_up_selections(step + 1);
   };
@@ -862,20 +877,23 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     if constexpr (kByTma != kGatherBoth) {
       if (threadIdx.x == 0) {
         mbar_expect_tx(&full[stage], 2 * kSlabBytes);
-        const int col0 = int(kByTma == kTmaA ? k0 : n0), row = int(begin) + step * WS;
+        const int col0 = int(kByTma == kTmaA ? k0 : n0), row = int(step_first(step));
+        const CUtensorMap* map = second(step) ? &by_position1 : &by_position0;
         for (int h = 0; h < 2; ++h)
-          tma_load_2d((kByTma == kTmaA ? as : bs) + h * kSlabBytes, &by_position, col0 + 64 * h, row, &full[stage]);
+          tma_load_2d((kByTma == kTmaA ? as : bs) + h * kSlabBytes, map, col0 + 64 * h, row, &full[stage]);
       }
     }
+    const bf16* A = second(step) ? a1.A : a0.A;
+    const bf16* B = second(step) ? a1.B : a0.B;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = row0 + 16 * i;
       const bool live = arow[i] >= 0;
       if (kByTma != kTmaA)
-        load8(reinterpret_cast<bf16*>(as + chunk_offset(r)), a.A + max(arow[i], int64_t(0)) * K + k0 + chunk * 8,
+        load8(reinterpret_cast<bf16*>(as + chunk_offset(r)), A + int64_t(max(arow[i], 0)) * K + k0 + chunk * 8,
               live ? int(min64(8, K - (k0 + chunk * 8))) : 0, a_aligned);
       if (kByTma != kTmaB)
-        load8(reinterpret_cast<bf16*>(bs + chunk_offset(r)), a.B + max(brow[i], int64_t(0)) * N + n0 + chunk * 8,
+        load8(reinterpret_cast<bf16*>(bs + chunk_offset(r)), B + int64_t(max(brow[i], 0)) * N + n0 + chunk * 8,
               live ? int(min64(8, N - (n0 + chunk * 8))) : 0, b_aligned);
       s_weight[stage][r] = w[i];
     }
@@ -885,11 +903,12 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     if constexpr (kByTma != kGatherBoth) {
       mbar_wait(&full[stage], (step / kStages) % 2);
       unsigned char* copied = smem + stage * kStageBytes + (kByTma == kTmaA ? 0 : WS * WM * 2);
+      const int64_t first = step_first(step) + row0, end = step_end(step);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        if (position(step, i) >= end) *reinterpret_cast<uint4*>(copied + chunk_offset(row0 + 16 * i)) = make_uint4(0, 0, 0, 0);
+        if (first + 16 * i >= end) *reinterpret_cast<uint4*>(copied + chunk_offset(row0 + 16 * i)) = make_uint4(0, 0, 0, 0);
     }
-    if (!a.weight) return;
+    if (!a0.weight) return;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = row0 + 16 * i;
@@ -913,7 +932,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   float acc[64];
 #pragma unroll
   for (auto& v : acc) v = 0.f;
-  pipeline(int((end - begin + WS - 1) / WS), load, landed, [&](int stage) {
+  pipeline(steps, load, landed, [&](int stage) {
     const unsigned char* as = smem + stage * kStageBytes;
     const uint32_t a_addr = wgmma::smem_address(as + wg * kSlabBytes), b_addr = wgmma::smem_address(as + WS * WM * 2);
     wgmma::fence();
@@ -924,7 +943,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     wgmma::commit();
   });
 
-  float* dWe = a.dW + int64_t(e) * K * N;
+  float* dWe = a0.dW + int64_t(e) * K * N;
   const int n_valid = int(min64(WN, N - n0));
   if (rows_addable(dWe, N, n_valid)) {  // through the finished stages, added by the L2
     float* Cs = reinterpret_cast<float*>(smem);
@@ -1280,22 +1299,55 @@ void cvmm_selection_dots(float* dweight, const bf16* rows, const bf16* dot_rows,
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {
+namespace {
+
+// The weight gradient over `uses` (1 or 2) plans and operands sharing dW.
+void launch_weight_grad(const CvmmPlan* plans, const CvmmWeightGradArgs* args, int uses, cudaStream_t stream) {
+  const CvmmWeightGradArgs& a = args[0];
+  for (int u = 1; u < uses; ++u)
+    if (args[u].dW != a.dW || args[u].K != a.K || args[u].N != a.N || args[u].n_experts != a.n_experts ||
+        args[u].a_by_in_row != a.a_by_in_row || !args[u].weight != !a.weight)
+      throw std::invalid_argument("cvmm_weight_grad: two uses with different gradients, shapes or weighting");
   const int64_t tiles = ((a.K + WM - 1) / WM) * ((a.N + WN - 1) / WN);
-  auto launch = [&](auto kernel, CUtensorMap map) {
-    launch_with_smem(kernel, dim3(unsigned(tiles * a.n_experts)), kRowsThreads, kSmemBytes, stream, plan, a,
-                     kWeightGradTileGroup, map);
+  if (plans[0].tiles == 0 && (uses < 2 || plans[1].tiles == 0)) return;
+  // An operand whose rows are positions (the FFN's hidden rows) comes by tensor copies, when it
+  // does in every use. Its maps are made per call: the live positions change with every routing
+  // (a few microseconds).
+  auto by_tma = [&](int u) {
+    const CvmmPlan& plan = plans[u];
+    const bool a_by_position = args[u].a_by_in_row ? plan.in_by_position : plan.out_by_position;
+    const bool b_by_position = args[u].a_by_in_row ? plan.out_by_position : plan.in_by_position;
+    if (plan.positions > 0 && a_by_position && vectorizable(args[u].A, a.K)) return kTmaA;
+    if (plan.positions > 0 && b_by_position && vectorizable(args[u].B, a.N)) return kTmaB;
+    return kGatherBoth;
   };
-  // An operand whose rows are positions (the FFN's hidden rows) comes by tensor copies. Its map
-  // is made per call: the live positions change with every routing (a few microseconds).
-  const bool a_by_position = a.a_by_in_row ? plan.in_by_position : plan.out_by_position;
-  const bool b_by_position = a.a_by_in_row ? plan.out_by_position : plan.in_by_position;
-  if (plan.positions > 0 && a_by_position && vectorizable(a.A, a.K))
-    launch(cvmm_weight_grad_kernel<kTmaA>, tensor_map(a.A, a.K, plan.positions, WS));
-  else if (plan.positions > 0 && b_by_position && vectorizable(a.B, a.N))
-    launch(cvmm_weight_grad_kernel<kTmaB>, tensor_map(a.B, a.N, plan.positions, WS));
-  else
-    launch(cvmm_weight_grad_kernel<kGatherBoth>, CUtensorMap{});
+  WeightGradTma tma = by_tma(0);
+  for (int u = 1; u < uses; ++u)
+    if (by_tma(u) != tma) tma = kGatherBoth;
+  CUtensorMap maps[2] = {};
+  for (int u = 0; u < uses && tma != kGatherBoth; ++u)
+    maps[u] = tma == kTmaA ? tensor_map(args[u].A, a.K, plans[u].positions, WS) : tensor_map(args[u].B, a.N, plans[u].positions, WS);
+  const int second = uses > 1 ? 1 : 0;
+  auto launch = [&](auto kernel) {
+    launch_with_smem(kernel, dim3(unsigned(tiles * a.n_experts)), kRowsThreads, kSmemBytes, stream, plans[0], args[0],
+                     plans[second], args[second], uses, kWeightGradTileGroup, maps[0], maps[second]);
+  };
+  if (tma == kTmaA) launch(cvmm_weight_grad_kernel<kTmaA>);
+  else if (tma == kTmaB) launch(cvmm_weight_grad_kernel<kTmaB>);
+  else launch(cvmm_weight_grad_kernel<kGatherBoth>);
+}
+
+}  // namespace
+
+void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream) {
+  launch_weight_grad(&plan, &a, 1, stream);
+}
+
+void cvmm_weight_grad(const CvmmPlan& plan_a, const CvmmWeightGradArgs& a, const CvmmPlan& plan_b,
+                      const CvmmWeightGradArgs& b, cudaStream_t stream) {
+  const CvmmPlan plans[2] = {plan_a, plan_b};
+  const CvmmWeightGradArgs args[2] = {a, b};
+  launch_weight_grad(plans, args, 2, stream);
 }
 
 }  // namespace moeut::cuda

@@ -66,6 +66,15 @@ void ffn_products(int64_t tokens, double peak, int reps, Rng& rng) {
       {"up dX   [m,128]x[128,1536]   scatter", [&] { cuda::cvmm_rows(pu.view(true), {dH.get(), Wk.get(), nullptr, nullptr, Yf.get(), nullptr, nullptr, es, d, true, true, tokens}, 0); }},
       {"up dW   [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, 0); }},
   }, 2.0 * double(sels) * double(d) * double(es), peak, reps);
+  // The weight gradients over two uses of the same weights (two layers sharing them, as GpuModel
+  // runs them), each use with its own operands: against twice the single-use rows above.
+  auto X2 = random_device<bf16>(size_t(tokens * d), rng, 1.f), dY2 = random_device<bf16>(size_t(tokens * d), rng, 1.f);
+  auto H2 = random_device<bf16>(size_t(sels * es), rng, 1.f), dH2 = random_device<bf16>(size_t(sels * es), rng, 1.f);
+  std::printf("FFN weight gradients over two uses of the weights:\n");
+  report({
+      {"down dW, two uses", [&] { cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, pd.view(), {H2.get(), dY2.get(), gw.get(), true, dWv.get(), es, d, E}, 0); }},
+      {"up dW, two uses", [&] { cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, pu.view(), {X2.get(), dH2.get(), nullptr, true, dWk.get(), d, es, E}, 0); }},
+  }, 4.0 * double(sels) * double(d) * double(es), peak, reps);
 }
 
 // The attention value and output experts: 6 heads with 12 experts each, top-2 per head, d 1536,

@@ -1,9 +1,10 @@
 // The CUDA cvmm kernels against the CPU reference (kernels/cvmm.cpp) on random inputs: the four
 // expert products of a σ-MoE layer, forward and backward, at several shapes, including widths
 // that are not multiples of 8, skewed routing and experts that receive nothing; the FFN's ReLU
-// options; the scatter product with a routing-weight gradient; rows kept per selection, with
-// their weighted sums and dots (the attention value experts). bf16 operands are rounded once on
-// the host and the reference computes on the same rounded values.
+// options; the scatter product with a routing-weight gradient; weight gradients over two uses of
+// the same expert weights; rows kept per selection, with their weighted sums and dots (the
+// attention value experts). bf16 operands are rounded once on the host and the reference
+// computes on the same rounded values.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
@@ -41,16 +42,20 @@ std::pair<DeviceBuffer<bf16>, const bf16*> placed(const std::vector<float>& v, s
   return {std::move(buf), p};
 }
 
-void check(const Shape& s) {
-  SCOPED_TRACE("tokens " + std::to_string(s.tokens) + " experts " + std::to_string(s.experts) + " k " +
-               std::to_string(s.k) + " d " + std::to_string(s.d) + " es " + std::to_string(s.es) +
-               (s.skewed ? " skewed" : "") + (s.misaligned ? " misaligned" : "") + (s.by_position ? " by position" : ""));
-  Rng rng{uint64_t(s.tokens * 131 + s.d)};
-  const int64_t n = s.tokens, k = s.k, d = s.d, es = s.es, E = s.experts, sels = n * k;
-  const int64_t pool = s.skewed ? std::max<int64_t>(k, E / 4) : E;
+// A random routing of s: the up product's selections (k distinct experts per token, rows by
+// token in, by selection or by position out), the down product's (in and out swapped) and the
+// routing weights.
+struct Routing {
   CvmmSelection up, down;
+  std::vector<float> w;
+};
+Routing random_routing(const Shape& s, Rng& rng) {
+  const int64_t n = s.tokens, k = s.k, E = s.experts, sels = n * k;
+  const int64_t pool = s.skewed ? std::max<int64_t>(k, E / 4) : E;
+  Routing r;
+  CvmmSelection& up = r.up;
   up.resize(sels);
-  std::vector<float> w(sels);
+  r.w.resize(size_t(sels));
   for (int64_t t = 0; t < n; ++t)
     for (int64_t j = 0; j < k; ++j) {  // k distinct experts per token
       const int64_t i = t * k + j;
@@ -64,13 +69,25 @@ void check(const Shape& s) {
       up.expert[i] = e;
       up.in_row[i] = int32_t(t);
       up.out_row[i] = int32_t(i);
-      w[i] = float(rng.uniform());
+      r.w[i] = float(rng.uniform());
     }
   up.group(E);
   if (s.by_position)
     for (int64_t i = 0; i < sels; ++i) up.out_row[size_t(i)] = up.position[size_t(i)];
-  down = up;
-  std::swap(down.in_row, down.out_row);
+  r.down = up;
+  std::swap(r.down.in_row, r.down.out_row);
+  return r;
+}
+
+void check(const Shape& s) {
+  SCOPED_TRACE("tokens " + std::to_string(s.tokens) + " experts " + std::to_string(s.experts) + " k " +
+               std::to_string(s.k) + " d " + std::to_string(s.d) + " es " + std::to_string(s.es) +
+               (s.skewed ? " skewed" : "") + (s.misaligned ? " misaligned" : "") + (s.by_position ? " by position" : ""));
+  Rng rng{uint64_t(s.tokens * 131 + s.d)};
+  const int64_t n = s.tokens, k = s.k, d = s.d, es = s.es, E = s.experts, sels = n * k;
+  const Routing routing = random_routing(s, rng);
+  const CvmmSelection &up = routing.up, &down = routing.down;
+  const std::vector<float>& w = routing.w;
   const cuda::DeviceCvmmPlan plan_up(up), plan_down(down);
 
   const auto X = random_bf16_values(n * d, rng, 1.0), Wk = random_bf16_values(E * d * es, rng, 0.05);
@@ -192,6 +209,32 @@ void check(const Shape& s) {
     cuda::cvmm_weight_grad(plan_up.view(), {gX.get(), gdH.get(), nullptr, true, gdWk.get(), d, es, E}, 0);
     EXPECT_LE(rel_error(gdX.download(), dX_ref), 1e-3) << "up: input gradient";
     EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient";
+  }
+  {  // Two uses of the same expert weights in one product (two layers sharing them): dValues and
+     // dKeys over both routings, onto non-zero gradients.
+    const Routing other = random_routing(s, rng);
+    const cuda::DeviceCvmmPlan other_up(other.up), other_down(other.down);
+    const auto X2 = random_bf16_values(n * d, rng, 1.0), H2 = random_bf16_values(sels * es, rng, 1.0);
+    const auto dY2 = random_bf16_values(n * d, rng, 1.0), dH2 = random_bf16_values(sels * es, rng, 1.0);
+    const DeviceBuffer<bf16> gX2(to_bf16(X2)), gH2(to_bf16(H2)), gdY2(to_bf16(dY2)), gdH2(to_bf16(dH2));
+    const DeviceBuffer<float> gw2(other.w);
+    const auto dWv_init = random_bf16_values(E * es * d, rng, 1.0), dWk_init = random_bf16_values(E * d * es, rng, 1.0);
+    std::vector<float> dWv_ref = dWv_init, dWk_ref = dWk_init, scratch(std::max(n * d, sels * es)), dw_scratch(sels);
+    cvmm_backward(scratch.data(), dWv_ref.data(), dw_scratch.data(), dY.data(), H.data(), Wv.data(), w.data(), down, es, d,
+                  ws);
+    cvmm_backward(scratch.data(), dWv_ref.data(), dw_scratch.data(), dY2.data(), H2.data(), Wv.data(), other.w.data(),
+                  other.down, es, d, ws);
+    cvmm_backward(scratch.data(), dWk_ref.data(), static_cast<float*>(nullptr), dH.data(), X.data(), Wk.data(),
+                  static_cast<const float*>(nullptr), up, d, es, ws);
+    cvmm_backward(scratch.data(), dWk_ref.data(), static_cast<float*>(nullptr), dH2.data(), X2.data(), Wk.data(),
+                  static_cast<const float*>(nullptr), other.up, d, es, ws);
+    DeviceBuffer<float> gdWv(dWv_init), gdWk(dWk_init);
+    cuda::cvmm_weight_grad(plan_down.view(), {gH.get(), gdY.get(), gw.get(), true, gdWv.get(), es, d, E}, other_down.view(),
+                           {gH2.get(), gdY2.get(), gw2.get(), true, gdWv.get(), es, d, E}, 0);
+    cuda::cvmm_weight_grad(plan_up.view(), {gX.get(), gdH.get(), nullptr, true, gdWk.get(), d, es, E}, other_up.view(),
+                           {gX2.get(), gdH2.get(), nullptr, true, gdWk.get(), d, es, E}, 0);
+    EXPECT_LE(rel_error(gdWv.download(), dWv_ref), 1e-2) << "down: expert-weight gradient over two uses";
+    EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient over two uses";
   }
   // The same, weighted, with the routing-weight gradient (the attention value experts' shape):
   // dX[t] += Σ w · dH[s] · keys_eᵀ, dw = (dH[s] · keys_eᵀ) · X[t]. Told its output has 2^30 rows,
