@@ -395,7 +395,6 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       ffn_backward(l);
       attention_backward(l);
     }
-    weight_grads_->join();  // the first layer's value weight gradient
     mark(Part::kOther);
     cuda::embedding_backward(gparam("embedding.weight"), dres_.get(), inputs_.get(), N, d, stream_);
     fold_router_grads();
@@ -588,6 +587,12 @@ void GpuModel::attention_backward(int64_t l) {
   // Value experts read the raw residual: their input gradient adds onto dres. Their routing-weight
   // gradient dots dv with each selection's kept row.
   mark(Part::kExperts);
+  // Their weight gradient reads the raw residual in bf16, made again on the side stream from the
+  // kept fp32 one (a buffer for all layers instead of one kept per layer: 1.8 GB at 1B).
+  weight_grads_->fork();
+  cuda::to_bf16(xb_.get(), xs_[l].get(), N * d, weight_grads_->get());
+  cuda::cvmm_weight_grad(L.plan_v.view(), {xb_.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
+                                            H * Ea}, weight_grads_->get());
   cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), nullptr,
                                          nullptr, dh, d, true, true, N}, stream_);
   cuda::cvmm_selection_dots(dw_.get(), L.v_sel.get(), dv_.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
@@ -601,19 +606,11 @@ void GpuModel::attention_backward(int64_t l) {
                    attn_in_ld_, N, dxn_.get());
   weight_grads_->join();
   mark(Part::kOther);
-  // dresb for the layer below (none below the first: the embedding's gradient reads dres), LN1's
-  // output again (bit for bit the forward's) into xn_ for the weight gradients, and the raw
-  // residual in bf16 into xb_ for the value experts' (one buffer for all layers instead of one
-  // kept per layer: 1.8 GB at 1B).
+  // dresb for the layer below (none below the first: the embedding's gradient reads dres), and
+  // LN1's output again (bit for bit the forward's) into xn_ for the weight gradients.
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
                            wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_,
-                           l > 0 ? dresb_.get() : nullptr, wparam(p + "ln1.bias"), xn_.get(), xb_.get());
-  // The value experts' weight gradient runs on the side stream beside what follows, until the
-  // next layer's expert backward (or the end of the pass) joins it, before xb_ and dv_ change.
-  mark(Part::kExperts);
-  weight_grads_->fork();
-  cuda::cvmm_weight_grad(L.plan_v.view(), {xb_.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh, H * Ea},
-                         weight_grads_->get());
+                           l > 0 ? dresb_.get() : nullptr, wparam(p + "ln1.bias"), xn_.get());
   mark(Part::kDense);
   // Weight gradients: q and k are adjacent in the layout, as are the two routers (checked at
   // construction), so each pair is one product.

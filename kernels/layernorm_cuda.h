@@ -17,11 +17,10 @@ void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float
 
 // Accumulates into dx [n, d], dweight [d] and dbias [d]. dx_bf16, when not null, also receives the
 // accumulated dx in bf16; out, when not null, the forward's output again (with bias), for weight
-// gradients that read it after the backward pass instead of a forward pass recomputing it; and
-// x_bf16 x in bf16 again (as the forward's x_bf16), for those that read that.
+// gradients that read it after the backward pass instead of a forward pass recomputing it.
 void layernorm_backward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
                         const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
                         cudaStream_t stream, __nv_bfloat16* dx_bf16 = nullptr, const __nv_bfloat16* bias = nullptr,
-                        __nv_bfloat16* out = nullptr, __nv_bfloat16* x_bf16 = nullptr);
+                        __nv_bfloat16* out = nullptr);
 
 }  // namespace moeut::cuda
