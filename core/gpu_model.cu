@@ -116,7 +116,6 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   MOEUT_CUDA_CHECK(cudaMemset(dzb_.get(), 0, dzb_.size() * sizeof(bf16)));  // its padding stays zero
   dheads_f32_ = DeviceBuffer<float>(size_t(N * hd));
   dresb_ = DeviceBuffer<bf16>(size_t(N * d));
-  dmidb_ = DeviceBuffer<bf16>(size_t(N * d));
   dhidden_ = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
   if (dispatcher_) {
     recv_rows_ = DeviceBuffer<float>(size_t(M * d));
@@ -485,7 +484,7 @@ void GpuModel::ffn_backward(int64_t l) {
   // LN2's backward also writes LN2's output again (bit for bit the forward's) into xn_, for the
   // router's weight gradient.
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
-                           wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_, dmidb_.get(),
+                           wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_, dresb_.get(),
                            wparam(p + "ln2.bias"), xn_.get());
   mark(Part::kDense);
   dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(l % cfg_.group_size), N, ld);
@@ -520,7 +519,8 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
   if (turn == WeightGradTurn::kDefer)
     MOEUT_CUDA_CHECK(cudaMemcpyAsync(deferred_dy, dY, size_t(in.rows * d) * sizeof(bf16), cudaMemcpyDeviceToDevice,
                                      stream_));
-  // Each weight gradient runs on the side stream beside the input gradients; deferred(U, rows):
+  // Each weight gradient runs on the side stream beside the input gradient that shares its
+  // inputs; the main stream waits for both before dhidden is written again. deferred(U, rows):
   // the same product's plan and arguments for the deferred use U.
   auto weight_grad = [&](const cuda::CvmmPlan& plan, const cuda::CvmmWeightGradArgs& a, auto deferred) {
     if (turn == WeightGradTurn::kDefer) return;
@@ -548,8 +548,7 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
   });
   cuda::cvmm_rows(L.plan_ff.view(true), {dhidden, wparam(p + "ffn.keys"), nullptr, nullptr, dX, nullptr, nullptr, es, d,
                                           true, true, in.rows}, stream_);
-  // The weight gradients go on beside the attention's backward, whose wait for the side stream
-  // (before dresb, dhidden and recv_dy are written again) covers them.
+  weight_grads_->join();
 }
 
 void GpuModel::attention_backward(int64_t l) {
@@ -557,17 +556,17 @@ void GpuModel::attention_backward(int64_t l) {
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
-  mark(Part::kOther);  // dmidb: the bf16 copy of dres, from LN2's backward
+  mark(Part::kOther);  // dresb: the bf16 copy of dres, from LN2's backward
   // Output experts: head gradients (ka selections per head row: accumulated in fp32).
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dheads_f32_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
   mark(Part::kExperts);
   // The expert weight gradients run on the side stream (see experts_backward) until the
-  // LayerNorm backward below writes dresb again (which the FFN's read).
+  // LayerNorm backward below writes dresb again.
   weight_grads_->fork();
-  cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dmidb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
+  cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
                                             d, H * Ea}, weight_grads_->get());
-  cuda::cvmm_rows(L.plan_o.view(true), {dmidb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
+  cuda::cvmm_rows(L.plan_o.view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
                                          dw_.get(), L.heads.get(), d, dh, true, true, N * H}, stream_);
   // The gradients of LN1's four readers go side by side into attn_in_grad_ (see gpu_model.h):
   // dq, dk, the value router's, the output router's.

@@ -163,10 +163,7 @@ class GpuModel {
   cuda::DeviceBuffer<bf16> deferred_dy_, deferred_dhidden_;
   // Backward scratch, shared by the layers.
   cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dheads_f32_;
-  // dresb_: the bf16 copy of dres_ when it holds the gradient of a layer's output (the FFN's);
-  // dmidb_: when it holds that of x_mid (the attention's), so that the FFN's expert weight
-  // gradients can still read dresb_ while the attention's backward runs.
-  cuda::DeviceBuffer<bf16> dresb_, dmidb_, dhidden_, dzb_, dv_;
+  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dv_;
   cuda::DeviceBuffer<bf16> padded_routers_;  // see copy_weights; zero past each router's rows
   // A router product's output, rows router_ld apart, before each top-k packs its router's
   // columns into that router's z (see route).
