@@ -131,12 +131,10 @@ __device__ int load_tile_rows(TileRows& t, const CvmmPlan& plan, const float* we
   return rows;
 }
 
-// One 64-deep slab of the tile's R gathered rows, from column k0 of X [*, K], copied by
-// `threads` threads of which this is `thread`.
-template <int R = BM>
+// One 64-deep slab of the tile's BM gathered rows, from column k0 of X [*, K], by the block.
 __device__ __forceinline__ void load_rows_slab(unsigned char* as, const bf16* X, const int32_t* in, int64_t K, int64_t k0,
-                                               bool aligned, int thread = threadIdx.x, int threads = kRowsThreads) {
-  for (int c = thread; c < R * BK / 8; c += threads) {
+                                               bool aligned) {
+  for (int c = threadIdx.x; c < BM * BK / 8; c += kRowsThreads) {
     const int r = c / (BK / 8), kc = c % (BK / 8);
     const int valid = in[r] < 0 ? 0 : int(min64(8, K - (k0 + kc * 8)));
     load8(reinterpret_cast<bf16*>(as + wgmma::swizzled_chunk(r, kc)), X + int64_t(max(in[r], 0)) * K + k0 + kc * 8,
@@ -680,7 +678,14 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
   if (threadIdx.x >= 2 * 128) {  // the copying warpgroups
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     const int thread = threadIdx.x - 2 * 128;
-    const bool x_aligned = vectorizable(a.X, K);
+    // A copying thread brings the same 16-byte chunk (column kc) of kCopyRows rows of the pair,
+    // every kRowStride-th from row0, in every step. Issuing these copies bounds this kernel
+    // (docs/PERFORMANCE.md v15), so the rows are read from the slot once per pair, and as K is
+    // whole slabs and the rows 16-byte aligned, each copy is whole (zeros for rows past the pair's
+    // end) at a shared-memory offset fixed for the pair: a multiply-add and the copy (v22).
+    constexpr int kChunks = BK / 8, kRowStride = kGatherCopyThreads / kChunks, kCopyRows = kGatherRows / kRowStride;
+    const int kc = thread % kChunks, row0 = thread / kChunks, Kc = int(K);
+    const uint32_t chunk_at = wgmma::swizzled_chunk(row0, kc);  // row row0 + i·kRowStride: + i·kRowStride·128
     int g = 0;  // steps issued
     for (int j = 0; j < my_pairs; ++j) {
       const Pair p = pair_of(j);
@@ -688,6 +693,9 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
       if (j >= 2) bar_sync(kSlotFree + j % 2, kGatherThreads);  // pair j - 2's outputs are stored
       look_up_rows(sl, plan, a.weight, p.first, p.rows, thread, kGatherCopyThreads);
       bar_sync(kSlotWritten, kGatherCopyThreads);  // every copying thread gathers rows another one looked up
+      int32_t rows[kCopyRows];
+#pragma unroll
+      for (int i = 0; i < kCopyRows; ++i) rows[i] = sl.in[row0 + i * kRowStride];
       for (int kt = 0; kt < steps; ++kt, ++g) {
         const int stage = g % kGatherStages;
         if (g >= kGatherStages) bar_sync(kStageEmpty + stage, kGatherThreads);  // step g - 4's products done
@@ -701,7 +709,10 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
               tma_load_2d(as + kGatherSlabA + h * (BK * 128), &weights, h * 64, p.expert * int(K) + kt * BK, &full[stage]);
           }
         }
-        load_rows_slab<kGatherRows>(as, a.X, sl.in, K, int64_t(kt) * BK, x_aligned, thread, kGatherCopyThreads);
+        const bf16* x = a.X + kt * BK + kc * 8;
+#pragma unroll
+        for (int i = 0; i < kCopyRows; ++i)
+          cp_async16(as + chunk_at + i * kRowStride * 128, x + int64_t(max(rows[i], 0)) * Kc, rows[i] < 0 ? 0 : 16);
         mbar_arrive_on_copies(&full[stage]);
       }
     }
