@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU host: Nsight Compute's own report (speed of light, compute and memory workload, warp
-# stalls by reason, occupancy) for the first COUNT launches of the kernels matching REGEX in a program, for
-# kernels that launch/gpu-kernel-metrics.sh's fixed metrics do not explain (the pipes and shared
-# memory of the flash kernels, say). SKIP (environment) launches that match are passed over first.
+# stalls by reason, occupancy) for the first COUNT launches of the kernels matching REGEX in a
+# program, for kernels that launch/gpu-kernel-metrics.sh's fixed metrics do not explain (the
+# pipes and shared memory of the flash kernels, say). SKIP (environment) launches that match are
+# passed over first.
 #   launch/gpu-kernel-report.sh NAME REGEX COUNT -- PROGRAM ARGS...
 # e.g. launch/gpu-kernel-report.sh flash_bwd flash_backward 1 -- build-gpu/launch/moeut-bench \
 #        --config configs/1B.cfg --batch 16 --steps 1 --warmup 1
