@@ -852,7 +852,9 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   auto chunk_offset = [&](int r) { return (chunk / 8) * kSlabBytes + wgmma::swizzled_chunk(r, chunk % 8); };
   // A step's use (the second's steps follow the first's), its first position and its use's end.
   auto second = [&](int step) { return step >= steps0; };
-  auto step_first = [&](int step) { return second(step) ? begin1 + int64_t(step - steps0) * WS : begin0 + int64_t(step) * WS; };
+  auto step_first = [&](int step) {
+    return second(step) ? begin1 + int64_t(step - steps0) * WS : begin0 + int64_t(step) * WS;
+  };
   auto step_end = [&](int step) { return second(step) ? end1 : end0; };
 
   // The rows and routing weights of a step are looked up one step ahead, so the index loads
@@ -1339,7 +1341,8 @@ void launch_weight_grad(const CvmmPlan* plans, const CvmmWeightGradArgs* args, i
     if (by_tma(u) != tma) tma = kGatherBoth;
   CUtensorMap maps[2] = {};
   for (int u = 0; u < uses && tma != kGatherBoth; ++u)
-    maps[u] = tma == kTmaA ? tensor_map(args[u].A, a.K, plans[u].positions, WS) : tensor_map(args[u].B, a.N, plans[u].positions, WS);
+    maps[u] = tma == kTmaA ? tensor_map(args[u].A, a.K, plans[u].positions, WS)
+                           : tensor_map(args[u].B, a.N, plans[u].positions, WS);
   const int second = uses > 1 ? 1 : 0;
   auto launch = [&](auto kernel) {
     launch_with_smem(kernel, dim3(unsigned(tiles * a.n_experts)), kRowsThreads, kSmemBytes, stream, plans[0], args[0],
