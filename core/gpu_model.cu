@@ -309,28 +309,28 @@ void GpuModel::ffn_forward(int64_t l) {
   route(xn_.get(), p + "ffn.expert_sel", {{1, Ef, kf, L.z.get(), L.i_ff.get(), L.w_ff.get()}});
   if (!dispatcher_) {
     mark(Part::kExperts);
-    experts_forward(l, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, y);
+    experts_forward(l, L.i_ff.get(), y);
     return;
   }
   mark(Part::kExperts);
   L.received = dispatcher_->dispatch(L.route, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, L.recv_x.get(),
                                      L.recv_index.get(), L.recv_weight.get());
   MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(L.received * d) * sizeof(float), stream_));
-  experts_forward(l, L.recv_x.get(), L.recv_index.get(), L.recv_weight.get(), L.received, recv_rows_.get());
+  experts_forward(l, L.recv_index.get(), recv_rows_.get());
   dispatcher_->combine(L.route, recv_rows_.get(), y);
 }
 
-void GpuModel::experts_forward(int64_t l, const bf16* X, const int32_t* index, const float* weight, int64_t rows,
-                               float* out) {
+void GpuModel::experts_forward(int64_t l, const int32_t* index, float* out) {
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
+  const ExpertRows in = expert_rows(l);
   mark(Part::kExperts);
-  planner_->build(L.plan_ff, index, rows, 1, E, kf, cuda::CvmmRoute::kGatherToPositions, stream_);
-  cuda::cvmm_rows(L.plan_ff.view(), {X, wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr, nullptr, d, es,
-                                      false, false, 0, cuda::CvmmRowsArgs::Relu::kApply}, stream_);
-  cuda::cvmm_rows(L.plan_ff.view(true), {L.hidden.get(), wparam(p + "ffn.values"), weight, nullptr, out, nullptr,
-                                          nullptr, es, d, false, true, rows}, stream_);
+  planner_->build(L.plan_ff, index, in.rows, 1, E, kf, cuda::CvmmRoute::kGatherToPositions, stream_);
+  cuda::cvmm_rows(L.plan_ff.view(), {in.X, wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr, nullptr, d,
+                                      es, false, false, 0, cuda::CvmmRowsArgs::Relu::kApply}, stream_);
+  cuda::cvmm_rows(L.plan_ff.view(true), {L.hidden.get(), wparam(p + "ffn.values"), in.weight, nullptr, out, nullptr,
+                                          nullptr, es, d, false, true, in.rows}, stream_);
 }
 
 LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pass) {

@@ -76,20 +76,20 @@ class GpuModel {
   void attention_forward(int64_t l);
   void ffn_forward(int64_t l);
   void ffn_backward(int64_t l);
-  // The FFN experts held here over `rows` token rows X (index: local expert ids, -1 where the
-  // expert is elsewhere); out (fp32) += the weighted expert outputs.
-  void experts_forward(int64_t l, const bf16* X, const int32_t* index, const float* weight, int64_t rows, float* out);
-  // Their backward from dY, the gradient of their outputs: dX (fp32) += input gradients, dw
-  // (zeroed by the caller) += routing-weight gradients, and the expert-weight gradients.
-  void experts_backward(int64_t l, const bf16* dY, float* dX, float* dw);
   // Layer l's token rows that the FFN experts here see: inputs, routing weights, count (the rows
-  // received from the group under expert parallelism).
+  // received from the group under expert parallelism, once dispatched).
   struct ExpertRows {
     const bf16* X;
     const float* weight;
     int64_t rows;
   };
   ExpertRows expert_rows(int64_t l) const;
+  // The FFN experts held here over layer l's expert_rows (index: their local expert ids, -1 where
+  // the expert is elsewhere); out (fp32) += the weighted expert outputs.
+  void experts_forward(int64_t l, const int32_t* index, float* out);
+  // Their backward from dY, the gradient of their outputs: dX (fp32) += input gradients, dw
+  // (zeroed by the caller) += routing-weight gradients, and the expert-weight gradients.
+  void experts_backward(int64_t l, const bf16* dY, float* dX, float* dw);
   // The FFN expert-weight gradients of two uses of a physical layer run as one product (see
   // cuda::cvmm_weight_grad): going down, a use with an unpaired use below it defers its own,
   // keeping its output and hidden-unit gradients in its physical layer's slot, and the use below
