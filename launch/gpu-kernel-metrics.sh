@@ -2,13 +2,18 @@
 # On a GPU host: memory and stall metrics of the expert kernels (Nsight Compute), at the 1B
 # shapes of moeut-bench-cvmm: where each product's bytes go (DRAM, L2 hits, L2 reductions) and
 # what its warps wait on. Usage: launch/gpu-kernel-metrics.sh [TOKENS]
+# BIN (environment): the folder holding moeut-bench-cvmm and its source.txt (default build-gpu's;
+# a folder that launch/gpu-pack.sh filled works too).
 # Writes $OUT/kernel_metrics.csv (raw) and prints one line per product.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/moeut-kernel-metrics}
 mkdir -p "$out"
 . "$root/launch/gpu-step.sh"
-show_source "$root/build-gpu"
+bin=${BIN:-$root/build-gpu}
+bench=$bin/moeut-bench-cvmm
+[ -x "$bench" ] || bench=$bin/launch/moeut-bench-cvmm
+show_source "$bin"
 tokens=${1:-16384}
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
 metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
@@ -20,7 +25,7 @@ metrics+=,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio
 metrics+=,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio
 # Each product runs once (no warm-up), with caches flushed before it.
 "$ncu" -k regex:cvmm_ --metrics "$metrics" --csv --cache-control all --clock-control none \
-  --log-file "$out/kernel_metrics.csv" "$root/build-gpu/launch/moeut-bench-cvmm" "$tokens" 1 > "$out/kernel_metrics.log"
+  --log-file "$out/kernel_metrics.csv" "$bench" "$tokens" 1 > "$out/kernel_metrics.log"
 python3 - "$out/kernel_metrics.csv" <<'EOF'
 import csv, sys, statistics
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
