@@ -344,5 +344,42 @@ TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
   EXPECT_LE(rel_error(dots.download(), dw_ref), 1e-4) << "dots of rows at selections, other ranks' 0";
 }
 
+// The device planner lists the same tiles and tile pairs, in the same order, as the host plan
+// that the tests and moeut-bench-cvmm use, so the benchmark measures the training's schedule.
+// Skewed routing gives one expert many pairs and leaves others empty; more experts than the
+// planner's block scans at once.
+TEST_F(GpuTest, DevicePlanListsTheHostPlansTiles) {
+  const int64_t n = 3000, k = 4, E = 300, sels = n * k;
+  Rng rng{12};
+  std::vector<int32_t> index(sels);
+  CvmmSelection sel;
+  for (int64_t i = 0; i < sels; ++i) {
+    index[i] = rng.next() % 3 == 0 ? 7 : int32_t(rng.next() % uint64_t(E / 2) * 2);
+    sel.expert.push_back(index[i]);
+    sel.in_row.push_back(int32_t(i / k));
+    sel.out_row.push_back(0);
+  }
+  sel.group(E);
+  for (int64_t q = 0; q < sels; ++q) sel.out_row[size_t(q)] = sel.position[size_t(q)];
+  const cuda::DeviceCvmmPlan host(sel);
+  cuda::CvmmPlanner planner(sels, E);
+  cuda::CvmmPlanBuffers device = planner.make_buffers();
+  const DeviceBuffer<int32_t> gindex(index);
+  planner.build(device, gindex.get(), n, 1, E, k, cuda::CvmmRoute::kGatherToPositions, 0);
+  const int32_t tiles = host.live_tiles.download()[0], pairs = host.live_pairs.download()[0];
+  ASSERT_GT(sel.expert_begin[8] - sel.expert_begin[7], int64_t(8 * cuda::kCvmmTileRows));
+  EXPECT_EQ(device.live_tiles.download()[0], tiles);
+  EXPECT_EQ(device.live_pairs.download()[0], pairs);
+  EXPECT_EQ(device.expert_begin.download(), host.expert_begin.download());
+  auto first = [](const DeviceBuffer<int32_t>& b, int32_t count) {
+    std::vector<int32_t> all = b.download();
+    return std::vector<int32_t>(all.begin(), all.begin() + count);
+  };
+  EXPECT_EQ(first(device.tile_expert, tiles), first(host.tile_expert, tiles));
+  EXPECT_EQ(first(device.tile_first, tiles), first(host.tile_first, tiles));
+  EXPECT_EQ(first(device.pair_tile, pairs), first(host.pair_tile, pairs));
+  EXPECT_EQ(first(device.by_expert, int32_t(sels)), sel.by_expert);
+}
+
 }  // namespace
 }  // namespace moeut
