@@ -628,7 +628,8 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
 // kernel's step barriers go uncovered, and copying warps issuing every 16-byte copy could not
 // keep up (docs/PERFORMANCE.md v15). So:
 // - Persistent blocks take the plan's tile pairs (256 rows of one expert), pair blockIdx.x first,
-//   then every gridDim.x-th, so the blocks in flight share their experts' weights in L2.
+//   then every gridDim.x-th, so the blocks in flight share their experts' weights in L2. (Pairs
+//   listed rank by rank, for the token rows' sake, made the 1B step slower: PERFORMANCE.md v23.)
 // - Two copying warpgroups (40 registers a thread, `setmaxnreg`) fill four 48 KB stages, as far
 //   ahead as the stages allow: a pair's row lookups into its slot (two slots), then per 64-deep
 //   step the gathered rows' slab (32 KB) by cp.async and the weight slab (16 KB) by one thread's
