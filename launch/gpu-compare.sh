@@ -30,10 +30,9 @@ done
 # variant V PROGRAM ARGS...: PROGRAM from variant V's folder (a or b), with VAR=1 set for A in
 # the --env form and unset otherwise.
 variant() {
-  local v=$1 program=$2 dir=$dir_b path=''; shift 2
+  local v=$1 program=$2 dir=$dir_b path; shift 2
   [ "$v" = a ] && dir=$dir_a
-  for sub in . tests launch; do [ -x "$dir/$sub/$program" ] && path=$dir/$sub/$program && break; done
-  [ -n "$path" ] || { echo "no $program in $dir" >&2; return 127; }
+  path=$(program_in "$dir" "$program") || return 127
   if [ -z "$var" ]; then "$path" "$@"
   elif [ "$v" = a ]; then env "$var=1" "$path" "$@"
   else env -u "$var" "$path" "$@"; fi

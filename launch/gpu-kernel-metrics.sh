@@ -11,8 +11,7 @@ out=${OUT:-/tmp/moeut-kernel-metrics}
 mkdir -p "$out"
 . "$root/launch/gpu-step.sh"
 bin=${BIN:-$root/build-gpu}
-bench=$bin/moeut-bench-cvmm
-[ -x "$bench" ] || bench=$bin/launch/moeut-bench-cvmm
+bench=$(program_in "$bin" moeut-bench-cvmm)
 show_source "$bin"
 tokens=${1:-16384}
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)

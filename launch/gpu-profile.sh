@@ -12,8 +12,7 @@ out=${OUT:-/tmp/moeut-gpu-profile}
 mkdir -p "$out"
 . "$root/launch/gpu-step.sh"
 bin=${BIN:-$root/build-gpu}
-bench=$bin/moeut-bench
-[ -x "$bench" ] || bench=$bin/launch/moeut-bench
+bench=$(program_in "$bin" moeut-bench)
 show_source "$bin"
 config=$1 batch=$2 layers=${3:-}
 name=$(basename "$config" .cfg)_b$batch${layers:+_l$layers}

@@ -4,6 +4,14 @@
 failed=0
 # show_source DIR: the commit DIR's binaries were built from (launch/build-gpu.sh writes it).
 show_source() { echo "binaries in $1: $(cat "$1/source.txt" 2>/dev/null || echo "no source.txt")"; }
+# program_in DIR NAME: the path of program NAME in DIR, a build folder (launch/build-gpu.sh) or one
+# that launch/gpu-pack.sh filled.
+program_in() {
+  local sub
+  for sub in '' launch/ tests/; do [ -x "$1/$sub$2" ] && { echo "$1/$sub$2"; return 0; }; done
+  echo "no $2 in $1" >&2
+  return 127
+}
 step() {
   local name=$1; shift
   echo "== $name: $*"
