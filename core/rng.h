@@ -10,7 +10,7 @@
 namespace moeut {
 
 inline uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);  // Rng::kGamma
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
@@ -31,13 +31,27 @@ class Rng {
  public:
   explicit Rng(uint64_t key) : state_(key) {}
   uint64_t next() { return splitmix64(state_); }
-  double uniform() { return double(next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  double uniform() { return uniform_of(next()); }  // [0, 1)
   double normal() {  // Box-Muller; the second value is dropped to keep streams simple
-    const double u1 = 1.0 - uniform(), u2 = uniform();
+    const uint64_t a = next(), b = next();
+    return normal_of(a, b);
+  }
+  // splitmix64 is a counter: the value next() returns i calls from now, without drawing it, and
+  // a jump over n draws. Long streams can so be drawn in parallel, the same values as in turn.
+  uint64_t peek(uint64_t i) const {
+    uint64_t s = state_ + i * kGamma;
+    return splitmix64(s);
+  }
+  void skip(uint64_t n) { state_ += n * kGamma; }
+  static double uniform_of(uint64_t bits) { return double(bits >> 11) * 0x1.0p-53; }
+  // normal() from its two draws.
+  static double normal_of(uint64_t a, uint64_t b) {
+    const double u1 = 1.0 - uniform_of(a), u2 = uniform_of(b);
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
   }
 
  private:
+  static constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;  // splitmix64's increment
   uint64_t state_;
 };
 
