@@ -8,8 +8,9 @@
 # three binaries used here (two whole builds exceed what the device tool carries). FILTER: gtest
 # filter for the tests (default '*Cvmm*:*Plan*:*Model*'). ROUNDS (environment): alternations
 # (default 2). BENCHES (environment): which benchmarks, of "cvmm 1B" (the default; "1B" alone
-# saves about two minutes of device time when the expert kernels did not change). Logs under
-# $OUT. Exit status: failed steps.
+# saves about two minutes of device time when the expert kernels did not change). STEP_LIMIT
+# (environment): seconds each program may run (default 300). No benchmarks when B's tests fail.
+# Logs under $OUT. Exit status: failed steps.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/moeut-gpu-compare}
@@ -23,6 +24,7 @@ else
 fi
 filter=${filter:-'*Cvmm*:*Plan*:*Model*'}
 rounds=${ROUNDS:-2}
+limit=${STEP_LIMIT:-300}  # seconds per program run: a hung kernel ends there, not at the call's limit
 benches=" ${BENCHES:-cvmm 1B} "
 for b in $benches; do
   case $b in cvmm | 1B) ;; *) echo "BENCHES: unknown benchmark '$b' (cvmm, 1B)" >&2; exit 2 ;; esac
@@ -33,15 +35,17 @@ variant() {
   local v=$1 program=$2 dir=$dir_b path; shift 2
   [ "$v" = a ] && dir=$dir_a
   path=$(program_in "$dir" "$program") || return 127
-  if [ -z "$var" ]; then "$path" "$@"
-  elif [ "$v" = a ]; then env "$var=1" "$path" "$@"
-  else env -u "$var" "$path" "$@"; fi
+  if [ -z "$var" ]; then timeout "$limit" "$path" "$@"
+  elif [ "$v" = a ]; then env "$var=1" timeout "$limit" "$path" "$@"
+  else env -u "$var" timeout "$limit" "$path" "$@"; fi
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 echo "A: ${var:+$var=1 }$dir_a | B: $dir_b | rounds $rounds"
 show_source "$dir_a"
 [ "$dir_b" = "$dir_a" ] || show_source "$dir_b"
 step tests_b variant b moeut_gpu_tests --gtest_filter="$filter"
+# A variant that fails its tests (or hangs in them: a kernel that deadlocks) is not timed.
+[ "$failed" -eq 0 ] || { echo "tests of B failed: no benchmarks"; exit "$failed"; }
 if [[ $benches == *" cvmm "* ]]; then
   for r in $(seq "$rounds"); do
     for v in a b; do
