@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU hosts' A/B script (launch/gpu-compare.sh) with stand-in programs, so that what it runs,
+# from which folder and with which variable, is checked where CI runs: a broken script costs a
+# call of the scarce device time. Checks:
+# - both folder layouts (a build folder: launch/, tests/; a pack: the programs at its top);
+# - the --env form sets the variable for A only;
+# - a program that hangs ends at STEP_LIMIT, and no benchmark runs after B's tests fail.
+# Usage: gpu_scripts.sh WORK_DIR
+set -euo pipefail
+work=$1
+root=$(cd "$(dirname "$0")/.." && pwd)
+rm -rf "$work" && mkdir -p "$work/build/launch" "$work/build/tests" "$work/pack" "$work/hang"
+fail() { echo "FAIL: $*"; exit 1; }
+
+# stand_in DIR PROGRAM [BODY]: a program that prints its path, arguments and MOEUT_TEST_VAR.
+stand_in() {
+  printf '#!/bin/sh\n%s\necho "ran $0 $* var=${MOEUT_TEST_VAR:-unset}"\n' "${3:-}" > "$1/$2"
+  chmod +x "$1/$2"
+}
+for p in moeut-bench moeut-bench-cvmm; do stand_in "$work/build/launch" "$p"; stand_in "$work/pack" "$p"; stand_in "$work/hang" "$p"; done
+stand_in "$work/build/tests" moeut_gpu_tests
+stand_in "$work/pack" moeut_gpu_tests
+stand_in "$work/hang" moeut_gpu_tests "sleep 30"
+echo "stand-in" > "$work/pack/source.txt"
+# No GPU here: nvidia-smi answers as a stand-in too.
+mkdir -p "$work/path" && stand_in "$work/path" nvidia-smi
+export PATH="$work/path:$PATH"
+
+out=$(OUT="$work/out1" ROUNDS=1 "$root/launch/gpu-compare.sh" "$work/pack" "$work/build" 2>&1) ||
+  fail "two folders: exit status $? ($out)"
+grep -q "ran $work/build/tests/moeut_gpu_tests --gtest_filter=" <<< "$out" || fail "B's tests not from build/tests"
+grep -q "ran $work/pack/moeut-bench-cvmm 16384" <<< "$out" || fail "A's kernel benchmark not from the pack"
+grep -q "ran $work/build/launch/moeut-bench --config $root/configs/1B.cfg --batch 16" <<< "$out" ||
+  fail "B's 1B benchmark not from build/launch"
+
+out=$(OUT="$work/out2" ROUNDS=1 BENCHES=1B "$root/launch/gpu-compare.sh" --env MOEUT_TEST_VAR "$work/pack" 2>&1) ||
+  fail "--env: exit status $? ($out)"
+grep -q "== bench_1B_a_1" <<< "$out" && grep -q "var=1" "$work/out2/bench_1B_a_1.log" || fail "--env: A without the variable"
+grep -q "var=unset" "$work/out2/bench_1B_b_1.log" || fail "--env: B with the variable"
+
+start=$SECONDS
+if out=$(OUT="$work/out3" STEP_LIMIT=2 "$root/launch/gpu-compare.sh" "$work/pack" "$work/hang" 2>&1); then
+  fail "a hanging test passed ($out)"
+fi
+(( SECONDS - start < 20 )) || fail "the hanging test was not stopped at STEP_LIMIT"
+grep -q "tests of B failed: no benchmarks" <<< "$out" || fail "no message for failed tests ($out)"
+! ls "$work/out3" | grep -q bench || fail "benchmarks ran after failed tests"
+echo "gpu-compare.sh: folders, --env, time limit: ok"
