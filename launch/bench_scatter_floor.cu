@@ -7,11 +7,16 @@
 // and row by row:
 //  - the L2's bulk reduction from shared memory, one 512-byte row per copy;
 //  - 16-byte vector atomics from the threads;
-//  - plain 16-byte stores (no addition), for the bandwidth of the same access pattern.
+//  - plain 16-byte stores (no addition), for the bandwidth of the same access pattern;
+//  - 16-byte vector atomics of bf16 pairs into bf16 rows: what the scatters would cost with their
+//    sums kept in bf16 (half the bytes), which the training does not do (docs/PERFORMANCE.md
+//    v23 item 11 asks what that precision would be worth).
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <type_traits>
 #include <cstdlib>
 #include <vector>
 
@@ -23,10 +28,14 @@
 namespace {
 
 constexpr int kD = 1536, kTile = 128, kThreads = 256, kPad = 4;
-enum class Add { kBulk, kVector, kStore };
+enum class Add { kBulk, kVector, kStore, kVectorBf16 };
+
+// Element type of the rows added into.
+template <Add kAdd>
+using Out = std::conditional_t<kAdd == Add::kVectorBf16, __nv_bfloat16, float>;
 
 template <Add kAdd>
-__global__ void __launch_bounds__(kThreads) add_tiles(float* out, const int32_t* rows, int tiles, bool by_band) {
+__global__ void __launch_bounds__(kThreads) add_tiles(Out<kAdd>* out, const int32_t* rows, int tiles, bool by_band) {
   extern __shared__ __align__(128) float tile[];  // [kTile][kTile + kPad]
   const int t = by_band ? int(blockIdx.x) % tiles : int(blockIdx.x) / (kD / kTile);
   const int n0 = (by_band ? int(blockIdx.x) / tiles : int(blockIdx.x) % (kD / kTile)) * kTile;
@@ -43,6 +52,12 @@ __global__ void __launch_bounds__(kThreads) add_tiles(float* out, const int32_t*
                    : "memory");
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  } else if constexpr (kAdd == Add::kVectorBf16) {
+    const uint32_t one = 0x3f803f80u;  // two bf16 ones
+    for (int i = threadIdx.x; i < kTile * kTile / 8; i += kThreads) {
+      __nv_bfloat16* at = out + int64_t(r[i / (kTile / 8)]) * kD + n0 + (i % (kTile / 8)) * 8;
+      asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %1, %1, %1};\n" ::"l"(at), "r"(one) : "memory");
+    }
   } else {
     for (int i = threadIdx.x; i < kTile * kTile / 4; i += kThreads) {
       float4* at = reinterpret_cast<float4*>(out + int64_t(r[i / (kTile / 4)]) * kD + n0 + (i % (kTile / 4)) * 4);
@@ -68,23 +83,27 @@ int main(int argc, char** argv) {
   const cuda::DeviceBuffer<int32_t> d_rows(rows);
   cuda::DeviceBuffer<float> out(size_t(tokens) * kD);
   MOEUT_CUDA_CHECK(cudaMemset(out.get(), 0, out.size() * sizeof(float)));
+  __nv_bfloat16* out_bf16 = reinterpret_cast<__nv_bfloat16*>(out.get());  // the same rows' first half
   const int smem = kTile * (kTile + kPad) * sizeof(float);
   const double bytes = double(rows.size()) * kD * sizeof(float);
   std::printf("%lld tokens, %d experts, top-%d: %d row tiles (%zu rows with padding), %.2f GB of fp32 additions\n",
               static_cast<long long>(tokens), int(bench::kFfnExperts), int(bench::kFfnTopK), tiles, rows.size(), bytes / 1e9);
-  auto time = [&](const char* name, auto kernel, bool by_band) {
+  // The bytes added are half as many for bf16 rows.
+  auto time = [&](const char* name, auto kernel, auto* rows_out, bool by_band) {
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const double ms = bench::median_ms([&] {
-      kernel<<<unsigned(tiles * (kD / kTile)), kThreads, smem>>>(out.get(), d_rows.get(), tiles, by_band);
+      kernel<<<unsigned(tiles * (kD / kTile)), kThreads, smem>>>(rows_out, d_rows.get(), tiles, by_band);
       MOEUT_CUDA_CHECK(cudaGetLastError());
     });
+    const double added = bytes * sizeof(*rows_out) / sizeof(float);
     std::printf("  %-28s %-12s %7.3f ms  %5.2f TB/s\n", name, by_band ? "band by band" : "row by row", ms,
-                bytes / (ms * 1e-3) / 1e12);
+                added / (ms * 1e-3) / 1e12);
   };
   for (const bool by_band : {true, false}) {
-    time("bulk reduction (f32)", add_tiles<Add::kBulk>, by_band);
-    time("16-byte vector atomics", add_tiles<Add::kVector>, by_band);
-    time("16-byte stores (no add)", add_tiles<Add::kStore>, by_band);
+    time("bulk reduction (f32)", add_tiles<Add::kBulk>, out.get(), by_band);
+    time("16-byte vector atomics", add_tiles<Add::kVector>, out.get(), by_band);
+    time("16-byte stores (no add)", add_tiles<Add::kStore>, out.get(), by_band);
+    time("16-byte atomics, bf16 rows", add_tiles<Add::kVectorBf16>, out_bf16, by_band);
   }
   return 0;
 }
