@@ -9,8 +9,10 @@
 
 namespace moeut {
 
+inline constexpr uint64_t kSplitmixGamma = 0x9E3779B97F4A7C15ull;  // splitmix64's increment
+
 inline uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);  // Rng::kGamma
+  uint64_t z = (state += kSplitmixGamma);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
@@ -39,10 +41,10 @@ class Rng {
   // splitmix64 is a counter: the value next() returns i calls from now, without drawing it, and
   // a jump over n draws. Long streams can so be drawn in parallel, the same values as in turn.
   uint64_t peek(uint64_t i) const {
-    uint64_t s = state_ + i * kGamma;
+    uint64_t s = state_ + i * kSplitmixGamma;
     return splitmix64(s);
   }
-  void skip(uint64_t n) { state_ += n * kGamma; }
+  void skip(uint64_t n) { state_ += n * kSplitmixGamma; }
   static double uniform_of(uint64_t bits) { return double(bits >> 11) * 0x1.0p-53; }
   // normal() from its two draws.
   static double normal_of(uint64_t a, uint64_t b) {
@@ -51,7 +53,6 @@ class Rng {
   }
 
  private:
-  static constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;  // splitmix64's increment
   uint64_t state_;
 };
 

@@ -16,8 +16,8 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <type_traits>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda_check.h"
@@ -83,7 +83,8 @@ int main(int argc, char** argv) {
   const cuda::DeviceBuffer<int32_t> d_rows(rows);
   cuda::DeviceBuffer<float> out(size_t(tokens) * kD);
   MOEUT_CUDA_CHECK(cudaMemset(out.get(), 0, out.size() * sizeof(float)));
-  __nv_bfloat16* out_bf16 = reinterpret_cast<__nv_bfloat16*>(out.get());  // the same rows' first half
+  // bf16 rows [tokens, kD] over the first half of the same buffer.
+  __nv_bfloat16* out_bf16 = reinterpret_cast<__nv_bfloat16*>(out.get());
   const int smem = kTile * (kTile + kPad) * sizeof(float);
   const double bytes = double(rows.size()) * kD * sizeof(float);
   std::printf("%lld tokens, %d experts, top-%d: %d row tiles (%zu rows with padding), %.2f GB of fp32 additions\n",

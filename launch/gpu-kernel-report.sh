@@ -16,7 +16,7 @@ mkdir -p "$out"
 name=$1 regex=$2 count=$3
 [ "${4:-}" = -- ] || { echo "usage: $0 NAME REGEX COUNT -- PROGRAM ARGS..." >&2; exit 2; }
 shift 4
-show_source "$root/build-gpu"
+show_source "$(dirname "$1")"  # the program's own build
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
 # The warp-state section prints no breakdown of the stalls in text: each reason's cycles per issued
 # instruction come as metrics of their own.

@@ -2,8 +2,11 @@
 # $out/NAME.log, shows the log's last $step_tail lines (25 unless set) and counts failures in
 # $failed, which the script exits with.
 failed=0
-# show_source DIR: the commit DIR's binaries were built from (launch/build-gpu.sh writes it).
-show_source() { echo "binaries in $1: $(cat "$1/source.txt" 2>/dev/null || echo "no source.txt")"; }
+# show_source DIR: the commit DIR's binaries were built from (launch/build-gpu.sh writes it into a
+# build folder, gpu-pack.sh copies it): DIR is a build or packed folder, or a folder inside one.
+show_source() {
+  echo "binaries in $1: $(cat "$1/source.txt" 2>/dev/null || cat "$1/../source.txt" 2>/dev/null || echo "no source.txt")"
+}
 # program_in DIR NAME: the path of program NAME in DIR, a build folder (launch/build-gpu.sh) or one
 # that launch/gpu-pack.sh filled.
 program_in() {

@@ -27,9 +27,9 @@ namespace gpu_test {
 
 using bf16 = __nv_bfloat16;
 
-// Values exactly representable in bf16, so CPU reference and GPU kernel see the same inputs.
-// The values of n calls of rng.normal() in turn, drawn in parallel (an expert weight at 1B is 111 M
-// of them: about 3 s in turn, which the GPU tests paid several times per shape).
+// n calls of rng.normal(), scaled and rounded to bf16, so CPU reference and GPU kernel see the
+// same inputs; drawn in parallel, the same values as in turn (an expert weight at 1B is 111 M of
+// them: about 3 s in turn, which the GPU tests paid several times per shape).
 inline std::vector<float> random_bf16_values(size_t n, Rng& rng, double scale) {
   std::vector<float> v(n);
 #pragma omp parallel for schedule(static)
