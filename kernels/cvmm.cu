@@ -378,6 +378,7 @@ struct ScatterItem {
   int expert, first, n0;
   int live;          // rows of the tile (-1: not yet known)
   bool first_band;   // the first of its group of bands: loads the row slabs
+  int row_stage;     // the row stage holding its row slabs: (s / G) % 2
   bool new_weights;  // its weight buffer holds another slab: loads it
 };
 struct ScatterSlot {
@@ -429,17 +430,27 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   const int wg = threadIdx.x / 128;
   // First level: the tile's expert and first position, and whether its weight buffer needs
   // loading after item s - 2, the buffer's previous user.
+  // Called for s = 0, 1, 2, ... in turn: the cursor steps through (tile, band) in the order above
+  // with no division (these lookups run every item, on the multiplying warps' path).
+  int cursor_tile = 0, cursor_band = 0, cursor_group = 0, cursor_stage = 0;  // tile0 + tile; band group·G + band
   auto item_of = [&](int s, const ScatterItem& before2) {
     ScatterItem t{};
     t.expert = -1;
-    const int band = s < items ? group * (s / (group * run)) + s % group : bands;  // run > 0 when s < items
+    const int band = s < items ? group * cursor_group + cursor_band : bands;
+    const int tile = tile0 + cursor_tile, stage = cursor_stage;
+    const bool first_band = cursor_band == 0;
+    if (++cursor_band == group) {
+      cursor_band = 0;
+      cursor_stage ^= 1;
+      if (++cursor_tile == run) cursor_tile = 0, ++cursor_group;
+    }
     if (band < bands) {
-      const int tile = tile0 + s % (group * run) / group;
       t.expert = plan.tile_expert[tile];
       t.first = plan.tile_first[tile];
       t.n0 = band * BN;
       t.live = -1;
-      t.first_band = s % group == 0;
+      t.first_band = first_band;
+      t.row_stage = stage;
       t.new_weights = s < 2 || t.expert != before2.expert || t.n0 != before2.n0;
     }
     return t;
@@ -467,8 +478,8 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   auto put_weight = [&](int s, float w) {
     if (r < BM) slot[s % kScatterSlots].rows.weight[r] = w;
   };
-  // Item s's row slabs into stage (s / G) % 2 when it is the first of its group (the others use
-  // them too), and its weight slabs into buffer s % 2 when that holds another slab. The stage's
+  // Item s's row slabs into stage (s / G) % 2 (its row_stage) when it is the first of its group
+  // (the others use them too), and its weight slabs into buffer s % 2 when that holds another slab. The stage's
   // and the buffer's previous users ended at item s - 2 at the latest, whose products are done.
   auto load_item = [&](int s) {
     const ScatterItem& t = slot[s % kScatterSlots].item;
@@ -476,7 +487,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
       if (t.first_band) {
         const bool x_aligned = vectorizable(a.X, K);
         for (int kt = 0; kt < 2; ++kt)
-          load_rows_slab(row_stage + (s / group % 2) * kOperandBytes + kt * kSlabA, a.X, slot[s % kScatterSlots].rows.in,
+          load_rows_slab(row_stage + t.row_stage * kOperandBytes + kt * kSlabA, a.X, slot[s % kScatterSlots].rows.in,
                          K, kt * BK, x_aligned);
       }
       if (t.new_weights) {
@@ -523,7 +534,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     if (wg * 64 < t.live) {
       wgmma::fence();
       for (int kt = 0; kt < 2; ++kt)
-        mma_slab<kTransW>(acc, row_stage + (s / group % 2) * kOperandBytes + kt * kSlabA,
+        mma_slab<kTransW>(acc, row_stage + t.row_stage * kOperandBytes + kt * kSlabA,
                           weight_buffer + (s % 2) * kOperandBytes + kt * kSlabB, wg * 64);
       wgmma::commit();
       wgmma::wait<0>();
