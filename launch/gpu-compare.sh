@@ -1,26 +1,41 @@
 #!/usr/bin/env bash
-# On a GPU host: an A/B measurement of a change in one call. Two variants run side by side,
-# alternating, so both see the same machine: the expert kernels at 16k tokens (moeut-bench-cvmm)
-# and the 1B step (moeut-bench), each `rounds` times. The tests of variant B run first.
-#   launch/gpu-compare.sh DIR_A DIR_B [FILTER]    two builds' binaries
-#   launch/gpu-compare.sh --env VAR DIR [FILTER]  one build, A with VAR=1 set, B without it
+# On a GPU host: an A/B measurement of a change in one call. The variants run side by side,
+# alternating, so all see the same machine: the expert kernels at 16k tokens (moeut-bench-cvmm)
+# and the 1B step (moeut-bench), each `rounds` times. The tests of every variant but A run first.
+#   launch/gpu-compare.sh DIR_A DIR_B [DIR_C ...] [FILTER]  builds' binaries (variants a, b, c, ...)
+#   launch/gpu-compare.sh --env VAR DIR [FILTER]            one build, A with VAR=1 set, B without it
 # A DIR is a build folder (launch/build-gpu.sh) or one that launch/gpu-pack.sh filled with the
-# three binaries used here (two whole builds exceed what the device tool carries). FILTER: gtest
-# filter for the tests (default '*Cvmm*:*Plan*:*Model*'). ROUNDS (environment): alternations
-# (default 2). BENCHES (environment): which benchmarks, of "cvmm 1B" (the default; "1B" alone
-# saves about two minutes of device time when the expert kernels did not change). STEP_LIMIT
-# (environment): seconds each program may run (default 300). No benchmarks when B's tests fail.
-# Logs under $OUT. Exit status: failed steps.
+# three binaries used here (two whole builds exceed what the device tool carries); arguments that
+# are folders are variants, a last one that is not is FILTER: the gtest filter for the tests
+# (default '*Cvmm*:*Plan*:*Model*'). Several variants in one call (a series of commits, say) share
+# the machine's start and its warm-up. ROUNDS (environment): alternations (default 2). BENCHES
+# (environment): which benchmarks, of "cvmm 1B" (the default; "1B" alone saves about two minutes
+# of device time when the expert kernels did not change). STEP_LIMIT (environment): seconds each
+# program may run (default 300). A variant whose tests fail is not benchmarked. Logs under $OUT.
+# Exit status: failed steps.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/moeut-gpu-compare}
 mkdir -p "$out"
 . "$root/launch/gpu-step.sh"
 step_tail=${step_tail:-12}
+declare -A dir_of
+names=(a b c d e f g h)
 if [ "${1:-}" = --env ]; then
-  var=$2 dir_a=$3 dir_b=$3 filter=${4:-}
+  var=$2 filter=${4:-} variants=(a b)
+  dir_of[a]=$3 dir_of[b]=$3
 else
-  var='' dir_a=$1 dir_b=$2 filter=${3:-}
+  var='' filter='' variants=()
+  for arg in "$@"; do
+    if [ -d "$arg" ] && [ -z "$filter" ] && [ ${#variants[@]} -lt ${#names[@]} ]; then
+      v=${names[${#variants[@]}]}
+      variants+=("$v") && dir_of[$v]=$arg
+    else
+      [ -z "$filter" ] || { echo "gpu-compare.sh: '$arg' after the filter '$filter'" >&2; exit 2; }
+      filter=$arg
+    fi
+  done
+  [ ${#variants[@]} -ge 2 ] || { echo "gpu-compare.sh: needs two variant folders at least" >&2; exit 2; }
 fi
 filter=${filter:-'*Cvmm*:*Plan*:*Model*'}
 rounds=${ROUNDS:-2}
@@ -29,33 +44,40 @@ benches=" ${BENCHES:-cvmm 1B} "
 for b in $benches; do
   case $b in cvmm | 1B) ;; *) echo "BENCHES: unknown benchmark '$b' (cvmm, 1B)" >&2; exit 2 ;; esac
 done
-# variant V PROGRAM ARGS...: PROGRAM from variant V's folder (a or b), with VAR=1 set for A in
-# the --env form and unset otherwise.
+# variant V PROGRAM ARGS...: PROGRAM from variant V's folder, with VAR=1 set for A in the --env
+# form and unset otherwise.
 variant() {
-  local v=$1 program=$2 dir=$dir_b path; shift 2
-  [ "$v" = a ] && dir=$dir_a
-  path=$(program_in "$dir" "$program") || return 127
+  local v=$1 program=$2 path; shift 2
+  path=$(program_in "${dir_of[$v]}" "$program") || return 127
   if [ -z "$var" ]; then timeout "$limit" "$path" "$@"
   elif [ "$v" = a ]; then env "$var=1" timeout "$limit" "$path" "$@"
   else env -u "$var" timeout "$limit" "$path" "$@"; fi
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-echo "A: ${var:+$var=1 }$dir_a | B: $dir_b | rounds $rounds"
-show_source "$dir_a"
-[ "$dir_b" = "$dir_a" ] || show_source "$dir_b"
-step tests_b variant b moeut_gpu_tests --gtest_filter="$filter"
+for v in "${variants[@]}"; do
+  echo "${v^^}: $([ "$v" = a ] && echo "${var:+$var=1 }")${dir_of[$v]}"
+done
+echo "rounds $rounds"
+show_source "${dir_of[a]}"
+for v in "${variants[@]:1}"; do [ "${dir_of[$v]}" = "${dir_of[a]}" ] || show_source "${dir_of[$v]}"; done
 # A variant that fails its tests (or hangs in them: a kernel that deadlocks) is not timed.
-[ "$failed" -eq 0 ] || { echo "tests of B failed: no benchmarks"; exit "$failed"; }
+timed=(a)
+for v in "${variants[@]:1}"; do
+  before=$failed
+  step "tests_$v" variant "$v" moeut_gpu_tests --gtest_filter="$filter"
+  if [ "$failed" -eq "$before" ]; then timed+=("$v"); else echo "tests of ${v^^} failed: no benchmarks of ${v^^}"; fi
+done
+[ ${#timed[@]} -ge 2 ] || { echo "no variant but A passed its tests: no benchmarks"; exit "$failed"; }
 if [[ $benches == *" cvmm "* ]]; then
   for r in $(seq "$rounds"); do
-    for v in a b; do
+    for v in "${timed[@]}"; do
       step "cvmm_${v}_$r" variant "$v" moeut-bench-cvmm 16384
     done
   done
 fi
 if [[ $benches == *" 1B "* ]]; then
   for r in $(seq "$rounds"); do
-    for v in a b; do
+    for v in "${timed[@]}"; do
       step "bench_1B_${v}_$r" variant "$v" moeut-bench --config "$root/configs/1B.cfg" --batch 16
     done
   done

@@ -4,7 +4,9 @@
 # call of the scarce device time. Checks:
 # - both folder layouts (a build folder: launch/, tests/; a pack: the programs at its top);
 # - the --env form sets the variable for A only;
-# - a program that hangs ends at STEP_LIMIT, and no benchmark runs after B's tests fail.
+# - a program that hangs ends at STEP_LIMIT, and no benchmark runs after B's tests fail;
+# - with three variants and a filter, the one whose tests fail is left out of the benchmarks
+#   and the others run.
 # Usage: gpu_scripts.sh WORK_DIR
 set -euo pipefail
 work=$1
@@ -45,4 +47,14 @@ fi
 (( SECONDS - start < 20 )) || fail "the hanging test was not stopped at STEP_LIMIT"
 grep -q "tests of B failed: no benchmarks" <<< "$out" || fail "no message for failed tests ($out)"
 ! ls "$work/out3" | grep -q bench || fail "benchmarks ran after failed tests"
-echo "gpu-compare.sh: folders, --env, time limit: ok"
+start=$SECONDS
+if out=$(OUT="$work/out4" STEP_LIMIT=2 ROUNDS=1 "$root/launch/gpu-compare.sh" "$work/pack" "$work/build" "$work/hang" \
+  '*Pairs*' 2>&1); then
+  fail "three variants: a hanging test passed ($out)"
+fi
+(( SECONDS - start < 20 )) || fail "three variants: the hanging test was not stopped at STEP_LIMIT"
+grep -q "ran $work/build/tests/moeut_gpu_tests --gtest_filter=\*Pairs\*" <<< "$out" || fail "three variants: B's tests without the filter"
+[ -f "$work/out4/bench_1B_a_1.log" ] && [ -f "$work/out4/cvmm_b_1.log" ] && [ -f "$work/out4/bench_1B_b_1.log" ] ||
+  fail "three variants: A and B not benchmarked ($(ls "$work/out4"))"
+! ls "$work/out4" | grep -q "_c_" || fail "three variants: C benchmarked after its tests failed"
+echo "gpu-compare.sh: folders, --env, time limit, three variants: ok"
