@@ -428,11 +428,12 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   // The loading and multiplying warpgroups.
   const int r = threadIdx.x;  // threads below BM look up row r
   const int wg = threadIdx.x / 128;
+  // Items are looked up for s = 0, 1, 2, ... in turn, so a cursor steps through their (tile, band,
+  // row stage) in the order above with no division (this runs every item, on the multiplying
+  // warps' path): row tile tile0 + cursor_tile, band G·cursor_group + cursor_band.
+  int cursor_tile = 0, cursor_band = 0, cursor_group = 0, cursor_stage = 0;
   // First level: the tile's expert and first position, and whether its weight buffer needs
   // loading after item s - 2, the buffer's previous user.
-  // Called for s = 0, 1, 2, ... in turn: the cursor steps through (tile, band) in the order above
-  // with no division (these lookups run every item, on the multiplying warps' path).
-  int cursor_tile = 0, cursor_band = 0, cursor_group = 0, cursor_stage = 0;  // tile0 + tile; band group·G + band
   auto item_of = [&](int s, const ScatterItem& before2) {
     ScatterItem t{};
     t.expert = -1;
@@ -479,8 +480,9 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     if (r < BM) slot[s % kScatterSlots].rows.weight[r] = w;
   };
   // Item s's row slabs into stage (s / G) % 2 (its row_stage) when it is the first of its group
-  // (the others use them too), and its weight slabs into buffer s % 2 when that holds another slab. The stage's
-  // and the buffer's previous users ended at item s - 2 at the latest, whose products are done.
+  // (the others use them too), and its weight slabs into buffer s % 2 when that holds another
+  // slab. The stage's and the buffer's previous users ended at item s - 2 at the latest, whose
+  // products are done.
   auto load_item = [&](int s) {
     const ScatterItem& t = slot[s % kScatterSlots].item;
     if (t.live > 0) {

@@ -27,9 +27,11 @@ if [ "${1:-}" = --env ]; then
 else
   var='' filter='' variants=()
   for arg in "$@"; do
-    if [ -d "$arg" ] && [ -z "$filter" ] && [ ${#variants[@]} -lt ${#names[@]} ]; then
+    if [ -d "$arg" ] && [ -z "$filter" ]; then
+      [ ${#variants[@]} -lt ${#names[@]} ] || { echo "gpu-compare.sh: at most ${#names[@]} variants" >&2; exit 2; }
       v=${names[${#variants[@]}]}
-      variants+=("$v") && dir_of[$v]=$arg
+      variants+=("$v")
+      dir_of[$v]=$arg
     else
       [ -z "$filter" ] || { echo "gpu-compare.sh: '$arg' after the filter '$filter'" >&2; exit 2; }
       filter=$arg
@@ -68,18 +70,14 @@ for v in "${variants[@]:1}"; do
   if [ "$failed" -eq "$before" ]; then timed+=("$v"); else echo "tests of ${v^^} failed: no benchmarks of ${v^^}"; fi
 done
 [ ${#timed[@]} -ge 2 ] || { echo "no variant but A passed its tests: no benchmarks"; exit "$failed"; }
-if [[ $benches == *" cvmm "* ]]; then
+# alternate NAME PROGRAM ARGS...: PROGRAM of every timed variant in turn, `rounds` times, as steps
+# NAME_<variant>_<round>.
+alternate() {
+  local name=$1 r v; shift
   for r in $(seq "$rounds"); do
-    for v in "${timed[@]}"; do
-      step "cvmm_${v}_$r" variant "$v" moeut-bench-cvmm 16384
-    done
+    for v in "${timed[@]}"; do step "${name}_${v}_$r" variant "$v" "$@"; done
   done
-fi
-if [[ $benches == *" 1B "* ]]; then
-  for r in $(seq "$rounds"); do
-    for v in "${timed[@]}"; do
-      step "bench_1B_${v}_$r" variant "$v" moeut-bench --config "$root/configs/1B.cfg" --batch 16
-    done
-  done
-fi
+}
+[[ $benches == *" cvmm "* ]] && alternate cvmm moeut-bench-cvmm 16384
+[[ $benches == *" 1B "* ]] && alternate bench_1B moeut-bench --config "$root/configs/1B.cfg" --batch 16
 exit $failed

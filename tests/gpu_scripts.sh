@@ -47,6 +47,7 @@ fi
 (( SECONDS - start < 20 )) || fail "the hanging test was not stopped at STEP_LIMIT"
 grep -q "tests of B failed: no benchmarks" <<< "$out" || fail "no message for failed tests ($out)"
 ! ls "$work/out3" | grep -q bench || fail "benchmarks ran after failed tests"
+
 start=$SECONDS
 if out=$(OUT="$work/out4" STEP_LIMIT=2 ROUNDS=1 "$root/launch/gpu-compare.sh" "$work/pack" "$work/build" "$work/hang" \
   '*Pairs*' 2>&1); then
