@@ -11,7 +11,8 @@
 # the machine's start and its warm-up. ROUNDS (environment): alternations (default 2). BENCHES
 # (environment): which benchmarks, of "cvmm 1B" (the default; "1B" alone saves about two minutes
 # of device time when the expert kernels did not change). STEP_LIMIT (environment): seconds each
-# program may run (default 300). A variant whose tests fail is not benchmarked. Logs under $OUT.
+# program may run (default 300). A variant whose tests fail is not benchmarked. Logs under $OUT:
+# summary.txt (tests passed or failed, and each run's timings on one line) and one log a kind.
 # Exit status: failed steps.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -62,12 +63,45 @@ done
 echo "rounds $rounds"
 show_source "${dir_of[a]}"
 for v in "${variants[@]:1}"; do [ "${dir_of[$v]}" = "${dir_of[a]}" ] || show_source "${dir_of[$v]}"; done
+# At the end, however it ends: the figures that decide the A/B, one line a run, printed and in
+# $out/summary.txt; then the step logs folded into one file a kind (tests, cvmm, bench_1B), each
+# step under its "== NAME" line, as at most 8 files come back from the device.
+declare -A tests_of
+figures() {  # figures LOG: a benchmark's timings on one line
+  sed -nE -e 's/^  ([A-Za-z]([A-Za-z0-9 ,]*[A-Za-z0-9])?)[ :[].* ([0-9.]+) ms.*/\1 \3/p' \
+    -e 's/.*step ([0-9.]+) ms.*/step \1 ms/p' -e 's|^([0-9]+) tokens/s.*|\1 tokens/s|p' "$1" | paste -sd '|' | sed 's/|/ | /g'
+}
+finish() {
+  local v log kind
+  {
+    echo "summary"
+    for v in "${!tests_of[@]}"; do echo "tests $v: ${tests_of[$v]}"; done | sort
+    for log in "$out"/cvmm_*.log "$out"/bench_1B_*.log; do
+      [ -e "$log" ] && echo "$(basename "$log" .log | sed -E 's/_([a-h])_([0-9]+)$/ \1 \2/'): $(figures "$log")"
+    done
+  } > "$out/summary.txt"
+  cat "$out/summary.txt"
+  for kind in tests cvmm bench_1B; do
+    for log in "$out/${kind}"_*.log; do
+      [ -e "$log" ] || continue
+      { echo "== $(basename "$log" .log)"; cat "$log"; } >> "$out/$kind.log"
+      rm "$log"
+    done
+  done
+}
+rm -f "$out/summary.txt" "$out/tests.log" "$out/cvmm.log" "$out/bench_1B.log"  # a previous run's, where $OUT is kept
+trap finish EXIT
 # A variant that fails its tests (or hangs in them: a kernel that deadlocks) is not timed.
 timed=(a)
 for v in "${variants[@]:1}"; do
   before=$failed
   step "tests_$v" variant "$v" moeut_gpu_tests --gtest_filter="$filter"
-  if [ "$failed" -eq "$before" ]; then timed+=("$v"); else echo "tests of ${v^^} failed: no benchmarks of ${v^^}"; fi
+  if [ "$failed" -eq "$before" ]; then
+    timed+=("$v") tests_of[$v]=passed
+  else
+    tests_of[$v]=failed
+    echo "tests of ${v^^} failed: no benchmarks of ${v^^}"
+  fi
 done
 [ ${#timed[@]} -ge 2 ] || { echo "no variant but A passed its tests: no benchmarks"; exit "$failed"; }
 # alternate NAME PROGRAM ARGS...: PROGRAM of every timed variant in turn, `rounds` times, as steps

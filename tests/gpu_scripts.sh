@@ -6,7 +6,9 @@
 # - the --env form sets the variable for A only;
 # - a program that hangs ends at STEP_LIMIT, and no benchmark runs after B's tests fail;
 # - with three variants and a filter, the one whose tests fail is left out of the benchmarks
-#   and the others run.
+#   and the others run;
+# - the step logs come folded into one file a kind, and summary.txt holds each run's timings
+#   (the device tool brings back 8 files at most).
 # Usage: gpu_scripts.sh WORK_DIR
 set -euo pipefail
 work=$1
@@ -19,7 +21,13 @@ stand_in() {
   printf '#!/bin/sh\n%s\necho "ran $0 $* var=${MOEUT_TEST_VAR:-unset}"\n' "${3:-}" > "$1/$2"
   chmod +x "$1/$2"
 }
-for p in moeut-bench moeut-bench-cvmm; do stand_in "$work/build/launch" "$p"; stand_in "$work/pack" "$p"; stand_in "$work/hang" "$p"; done
+# The benchmarks print a line of each kind that summary.txt reads.
+cvmm_line='echo "  o dX    [m,1536]x[1536,128]  +dw            0.222 ms   347.6 TFLOP/s"; echo "  v       [m,1536]x[1536,128]  gather+sums    0.221 ms"'
+step_line='echo "loss 0.6742 (ce 0.9476) | step 341.1 ms: forward 123.5"; echo "48031 tokens/s | 202.5 TFLOP/s"'
+for dir in "$work/build/launch" "$work/pack" "$work/hang"; do
+  stand_in "$dir" moeut-bench "$step_line"
+  stand_in "$dir" moeut-bench-cvmm "$cvmm_line"
+done
 stand_in "$work/build/tests" moeut_gpu_tests
 stand_in "$work/pack" moeut_gpu_tests
 stand_in "$work/hang" moeut_gpu_tests "sleep 30"
@@ -34,11 +42,18 @@ grep -q "ran $work/build/tests/moeut_gpu_tests --gtest_filter=" <<< "$out" || fa
 grep -q "ran $work/pack/moeut-bench-cvmm 16384" <<< "$out" || fail "A's kernel benchmark not from the pack"
 grep -q "ran $work/build/launch/moeut-bench --config $root/configs/1B.cfg --batch 16" <<< "$out" ||
   fail "B's 1B benchmark not from build/launch"
+[ "$(ls "$work/out1")" = "$(printf 'bench_1B.log\ncvmm.log\nsummary.txt\ntests.log')" ] || fail "logs not folded ($(ls "$work/out1"))"
+grep -qx "tests b: passed" "$work/out1/summary.txt" || fail "summary: B's tests"
+grep -qx "cvmm b 1: o dX 0.222 | v 0.221" "$work/out1/summary.txt" || fail "summary: B's kernels ($(cat "$work/out1/summary.txt"))"
+grep -qx "bench_1B a 1: step 341.1 ms | 48031 tokens/s" "$work/out1/summary.txt" || fail "summary: A's step"
+grep -q "^== cvmm_a_1" "$work/out1/cvmm.log" || fail "cvmm.log without A's run"
 
 out=$(OUT="$work/out2" ROUNDS=1 BENCHES=1B "$root/launch/gpu-compare.sh" --env MOEUT_TEST_VAR "$work/pack" 2>&1) ||
   fail "--env: exit status $? ($out)"
-grep -q "== bench_1B_a_1" <<< "$out" && grep -q "var=1" "$work/out2/bench_1B_a_1.log" || fail "--env: A without the variable"
-grep -q "var=unset" "$work/out2/bench_1B_b_1.log" || fail "--env: B with the variable"
+# section LOG NAME: step NAME's lines of a folded log.
+section() { awk -v h="== $2" '$0 == h { on = 1; next } /^== / { on = 0 } on' "$1"; }
+section "$work/out2/bench_1B.log" bench_1B_a_1 | grep -q "var=1" || fail "--env: A without the variable"
+section "$work/out2/bench_1B.log" bench_1B_b_1 | grep -q "var=unset" || fail "--env: B with the variable"
 
 start=$SECONDS
 if out=$(OUT="$work/out3" STEP_LIMIT=2 "$root/launch/gpu-compare.sh" "$work/pack" "$work/hang" 2>&1); then
@@ -47,6 +62,7 @@ fi
 (( SECONDS - start < 20 )) || fail "the hanging test was not stopped at STEP_LIMIT"
 grep -q "tests of B failed: no benchmarks" <<< "$out" || fail "no message for failed tests ($out)"
 ! ls "$work/out3" | grep -q bench || fail "benchmarks ran after failed tests"
+grep -qx "tests b: failed" "$work/out3/summary.txt" || fail "summary: B's failed tests"
 
 start=$SECONDS
 if out=$(OUT="$work/out4" STEP_LIMIT=2 ROUNDS=1 "$root/launch/gpu-compare.sh" "$work/pack" "$work/build" "$work/hang" \
@@ -55,7 +71,7 @@ if out=$(OUT="$work/out4" STEP_LIMIT=2 ROUNDS=1 "$root/launch/gpu-compare.sh" "$
 fi
 (( SECONDS - start < 20 )) || fail "three variants: the hanging test was not stopped at STEP_LIMIT"
 grep -q "ran $work/build/tests/moeut_gpu_tests --gtest_filter=\*Pairs\*" <<< "$out" || fail "three variants: B's tests without the filter"
-[ -f "$work/out4/bench_1B_a_1.log" ] && [ -f "$work/out4/cvmm_b_1.log" ] && [ -f "$work/out4/bench_1B_b_1.log" ] ||
-  fail "three variants: A and B not benchmarked ($(ls "$work/out4"))"
-! ls "$work/out4" | grep -q "_c_" || fail "three variants: C benchmarked after its tests failed"
-echo "gpu-compare.sh: folders, --env, time limit, three variants: ok"
+grep -q "^== bench_1B_a_1" "$work/out4/bench_1B.log" && grep -q "^== cvmm_b_1" "$work/out4/cvmm.log" &&
+  grep -q "^== bench_1B_b_1" "$work/out4/bench_1B.log" || fail "three variants: A and B not benchmarked ($(ls "$work/out4"))"
+! grep -q "_c_" "$work/out4/bench_1B.log" "$work/out4/cvmm.log" || fail "three variants: C benchmarked after its tests failed"
+echo "gpu-compare.sh: folders, --env, time limit, three variants, folded logs and summary: ok"
