@@ -386,7 +386,33 @@ struct ScatterSlot {
   ScatterItem item;
 };
 
-template <bool kTransW>
+// The phase clock (kClock, CvmmRowsArgs::phase_cycles): each thread sums the clock cycles of its
+// phases, in the order of kScatterPhaseNames; threads 0 (multiplying) and kRowsThreads (adding)
+// add them into the block's slots at the end. Without kClock the clock compiles away.
+template <bool kClock>
+struct PhaseClock {
+  long long last = 0;
+  unsigned long long cycles[kScatterPhases] = {};
+  __device__ __forceinline__ void start() {
+    if constexpr (kClock) last = clock64();
+  }
+  __device__ __forceinline__ void stamp(int phase) {  // the time since the last stamp, to `phase`
+    if constexpr (kClock) {
+      const long long now = clock64();
+      cycles[phase] += now - last;
+      last = now;
+    }
+  }
+  __device__ __forceinline__ void count_item() {
+    if constexpr (kClock) ++cycles[kScatterPhases - 1];
+  }
+  __device__ __forceinline__ void add_into(unsigned long long* block_slots, int first, int end) const {
+    if constexpr (kClock)
+      for (int p = first; p < end; ++p) block_slots[p] += cycles[p];
+  }
+};
+
+template <bool kTransW, bool kClock>
 __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPlan plan, CvmmRowsArgs a, int group) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
@@ -404,12 +430,16 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   // Row rr's 16-byte chunk c of the tile buffer.
   auto chunk_at = [&](int rr, int c) { return Cs + rr * BN + ((c ^ (rr % 8)) * 4); };
 
+  PhaseClock<kClock> clock;
+  unsigned long long* const block_slots = kClock ? a.phase_cycles + blockIdx.x * kScatterPhases : nullptr;
   if (threadIdx.x >= kRowsThreads) {  // the adding warpgroup: warp w adds rows w, w + 4, ...
     const int warp = (threadIdx.x - kRowsThreads) / 32, lane = threadIdx.x % 32;
     constexpr int kWarps = (kScatterThreads - kRowsThreads) / 32;
     if (items > 0) bar_arrive(kTileEmpty, kScatterThreads);  // the buffer starts empty
+    clock.start();
     for (int s = 0; s < items; ++s) {
       bar_sync(kTileFull, kScatterThreads);
+      clock.stamp(kWaitTileFull);
       const ScatterSlot& sl = slot[s % kScatterSlots];
       const int n0 = sl.item.n0;
       if (4 * lane < int(min64(BN, N - n0))) {
@@ -420,8 +450,10 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
                     make_float4(w * c.x, w * c.y, w * c.z, w * c.w));
         }
       }
+      clock.stamp(kAdditions);
       if (s + 1 < items) bar_arrive(kTileEmpty, kScatterThreads);
     }
+    if (threadIdx.x == kRowsThreads) clock.add_into(block_slots, kWaitTileFull, kAdditions + 1);
     return;
   }
 
@@ -519,15 +551,19 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   load_item(0);
   load_item(1);
 
+  clock.start();
   for (int s = 0; s < items; ++s) {
     cp_async_wait<1>();  // item s has landed (this thread's copies)
     wgmma::fence_shared_for_async();
     bar_sync(kProducts, kRowsThreads);
+    clock.stamp(kWaitOperands);
+    clock.count_item();
     // This iteration's lookups, each on what earlier iterations found.
     const ScatterItem next5 = item_of(s + 5, ahead3);
     item_end(ahead4);
     const RowLookup rows3 = rows_of(ahead3);
     const float w1 = weight_of(s + 1);
+    clock.stamp(kLookups);
 
     const ScatterItem& t = slot[s % kScatterSlots].item;
     float acc[64];
@@ -541,9 +577,11 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
       wgmma::commit();
       wgmma::wait<0>();
     }
+    clock.stamp(kProductsDone);
     // Once the adding warpgroup is done with item s - 1 (and both products here with their
     // operands): the tile to it, the lookups to their slots, item s + 2's loads.
     bar_sync(kTileEmpty, kScatterThreads);
+    clock.stamp(kWaitTileEmpty);
 #pragma unroll
     for (int j = 0; j < 64; j += 2) {
       const int rr = wg * 64 + wgmma::acc_row(j), c = wgmma::acc_col(j);
@@ -554,15 +592,22 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     put_rows(s + 3, ahead3, rows3);
     put_weight(s + 1, w1);
     bar_arrive(kTileFull, kScatterThreads);
+    clock.stamp(kTileWritten);
     ahead3 = ahead4;
     ahead4 = next5;
     load_item(s + 2);
+    clock.stamp(kLoadsIssued);
     if (a.dweight && t.live > 0) {
       const TileRows& tr = slot[s % kScatterSlots].rows;
       routing_weight_grad(a, chunk_at, tr.out, tr.sel, t.live, N, t.n0, int(min64(BN, N - t.n0)));
     }
+    clock.stamp(kDweight);
   }
   cp_async_wait<0>();
+  if (threadIdx.x == 0) {
+    clock.add_into(block_slots, kWaitOperands, kDweight + 1);
+    clock.add_into(block_slots, kItems, kItems + 1);
+  }
 }
 
 // cvmm_sum_selections: a thread per kVec columns of an output row (8: 16-byte accesses).
@@ -1224,14 +1269,14 @@ DeviceFacts device_facts() {
   return facts;
 }
 
-template <bool kTransW>
+template <bool kTransW, bool kClock>
 void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   const DeviceFacts facts = device_facts();
   // Bands in pairs when two of them fit in half of L2. H100 (50 MB), 1B shapes, ms with one band
   // against two: 16k tokens (16 MB a pair) down 1.208 / 1.151, up dX 1.234 / 1.136; 32k tokens
   // (34 MB) down 3.028 / 3.456, up dX 3.004 / 3.455, o 1.289 / 1.652 (docs/PERFORMANCE.md v14).
   const int group = 2 * BN * sizeof(float) * a.out_rows <= int64_t(facts.l2_bytes) / 2 ? 2 : 1;
-  launch_with_smem(cvmm_scatter_kernel<kTransW>, dim3(unsigned(facts.multiprocessors)), kScatterThreads,
+  launch_with_smem(cvmm_scatter_kernel<kTransW, kClock>, dim3(unsigned(facts.multiprocessors)), kScatterThreads,
                    kScatterSmemBytes, stream, plan, a, group);
 }
 
@@ -1282,21 +1327,31 @@ void launch_gather(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t str
 
 }  // namespace
 
+// Scatters whose product is at most two slabs deep and whose rows take 16-byte additions (with N
+// as the band width too: every band but the last is 128 wide, and the last is N mod 128, a
+// multiple of 4 when N is).
+bool cvmm_on_scatter_kernel(const CvmmRowsArgs& a) {
+  return a.accumulate && a.K <= 2 * BK && rows_addable(a.out_f32, a.N, a.N);
+}
+
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   if (plan.tiles == 0) return;
   if (a.accumulate ? !a.out_f32 : !a.out) throw std::invalid_argument("cvmm_rows: output buffer missing");
-  // Scatters whose product is at most two slabs deep and whose rows take 16-byte additions go to
-  // the persistent scatter kernel; deeper products of one band over whole 64-deep slabs, with
-  // 16-byte aligned rows, to the persistent gather kernel; the rest to the per-tile one.
-  // (rows_addable with N as the band width too: every band but the last is 128 wide, and the
-  // last is N mod 128, a multiple of 4 when N is.)
-  const bool scatter = a.accumulate && a.K <= 2 * BK && rows_addable(a.out_f32, a.N, a.N);
+  // Scatters that cvmm_on_scatter_kernel takes go to the persistent scatter kernel; deeper
+  // products of one band over whole 64-deep slabs, with 16-byte aligned rows, to the persistent
+  // gather kernel; the rest to the per-tile one.
+  const bool scatter = cvmm_on_scatter_kernel(a);
   const bool gather = a.N == BN && a.K % BK == 0 && vectorizable(a.X, a.K) &&
                       (a.accumulate ? rows_addable(a.out_f32, a.N, a.N) : vectorizable(a.out, a.N)) &&
                       (!a.dot_rows || vectorizable(a.dot_rows, a.N)) && vectorizable(a.W, a.K);
   if (scatter) {
-    if (a.transpose_w) launch_scatter<true>(plan, a, stream);
-    else launch_scatter<false>(plan, a, stream);
+    if (a.phase_cycles) {
+      if (a.transpose_w) launch_scatter<true, true>(plan, a, stream);
+      else launch_scatter<false, true>(plan, a, stream);
+    } else {
+      if (a.transpose_w) launch_scatter<true, false>(plan, a, stream);
+      else launch_scatter<false, false>(plan, a, stream);
+    }
   } else if (gather) {
     if (a.transpose_w) launch_gather<true>(plan, a, stream);
     else launch_gather<false>(plan, a, stream);

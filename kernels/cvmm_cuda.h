@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <iterator>
 
 #include "kernels/cvmm.h"
 #include "kernels/device_buffer.h"
@@ -61,8 +62,25 @@ struct CvmmRowsArgs {
   // Stored (bf16) outputs only: kApply stores max(0, ·) (the FFN's hidden units); kMaskByDotRows
   // stores 0 where dot_rows <= 0 (the gradient through that ReLU, dot_rows being its output).
   enum class Relu { kNone, kApply, kMaskByDotRows } relu = Relu::kNone;
+  // The scatter kernel's phase clock (moeut-bench-cvmm --phases), null in training: where set and
+  // the product runs on the scatter kernel (cvmm_on_scatter_kernel), each of its blocks adds the
+  // clock cycles of every phase of its items, and their count, into phase_cycles[block ·
+  // kScatterPhases + phase]: kScatterPhases × the GPU's multiprocessors, zeroed by the caller.
+  unsigned long long* phase_cycles = nullptr;
 };
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream);
+// The phases of a scatter-kernel item, as phase_cycles holds them: the multiplying warps' seven
+// in the order they run, then the adding warps' two, then the item count.
+enum ScatterPhase { kWaitOperands, kLookups, kProductsDone, kWaitTileEmpty, kTileWritten, kLoadsIssued, kDweight,
+                    kWaitTileFull, kAdditions, kItems };
+inline constexpr const char* kScatterPhaseNames[] = {
+    "multiplying: wait for the operands", "multiplying: lookups", "multiplying: products",
+    "multiplying: wait for the tile buffer", "multiplying: tile into the buffer", "multiplying: loads issued",
+    "multiplying: routing-weight gradient", "adding: wait for a tile", "adding: additions", "items"};
+inline constexpr int kScatterPhases = int(std::size(kScatterPhaseNames));
+static_assert(kScatterPhases == kItems + 1, "a name for every phase");
+// Whether cvmm_rows runs these arguments on the scatter kernel (whose phases phase_cycles clocks).
+bool cvmm_on_scatter_kernel(const CvmmRowsArgs& a);
 
 // Each selection's product kept in a row of its own: a plan whose output row is the selection's
 // index, for cvmm_rows's stored outputs. The attention's value experts keep their rows so (two

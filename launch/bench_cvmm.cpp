@@ -1,8 +1,9 @@
 // moeut-bench-cvmm: TFLOP/s of the CUDA expert kernels at the 1B profile's shapes (the FFN experts:
 // 565 experts, top-24, d 1536, expert size 128; the attention value and output experts: 6 heads x
 // 12 experts, top-2 per head) beside the bf16 matrix-product peak measured by cuBLAS in the same
-// run. Usage: moeut-bench-cvmm [TOKENS [REPS]]; REPS 1 runs each
-// product once with no warm-up (for a profiler).
+// run. Usage: moeut-bench-cvmm [TOKENS [REPS]] [--phases]; REPS 1 runs each
+// product once with no warm-up (for a profiler); --phases adds, for each product on the scatter
+// kernel, the clock cycles an item spends in each of its phases (CvmmRowsArgs::phase_cycles).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -42,8 +43,32 @@ void report(const std::vector<Product>& products, double flop, double peak, int 
               double(products.size()) * flop / (total_ms * 1e-3) / 1e12);
 }
 
+// --phases: where a scatter's items spend their time, from one run with the scatter kernel's phase
+// clock: cycles an item in each phase, over all blocks, and each phase's share of its warps' time.
+void report_phases(const char* name, const cuda::CvmmPlan& plan, cuda::CvmmRowsArgs a) {
+  if (!cuda::cvmm_on_scatter_kernel(a)) return;
+  int device = 0, sms = 0;
+  MOEUT_CUDA_CHECK(cudaGetDevice(&device));
+  MOEUT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  constexpr int P = cuda::kScatterPhases;
+  cuda::DeviceBuffer<unsigned long long> slots(std::vector<unsigned long long>(size_t(sms) * P, 0));
+  a.phase_cycles = slots.get();
+  cuda::cvmm_rows(plan, a, 0);
+  const std::vector<unsigned long long> per_block = slots.download();
+  std::vector<double> total(P, 0.0);
+  for (size_t i = 0; i < per_block.size(); ++i) total[i % P] += double(per_block[i]);
+  const double items = total[cuda::kItems];
+  auto multiplying = [](int p) { return p < cuda::kWaitTileFull; };
+  double role_total[2] = {};  // multiplying, adding
+  for (int p = 0; p < cuda::kItems; ++p) role_total[multiplying(p) ? 0 : 1] += total[p];
+  std::printf("  %s: %.0f items, %.1f a block; clock cycles an item by phase:\n", name, items, items / sms);
+  for (int p = 0; p < cuda::kItems; ++p)
+    std::printf("    %-40s %8.0f  (%4.1f%% of its warps' time)\n", cuda::kScatterPhaseNames[p],
+                items > 0 ? total[p] / items : 0.0, 100.0 * total[p] / std::max(1.0, role_total[multiplying(p) ? 0 : 1]));
+}
+
 // The FFN experts: 565 experts, top-24, d 1536, expert size 128, uniform routing.
-void ffn_products(int64_t tokens, double peak, int reps, Rng& rng) {
+void ffn_products(int64_t tokens, double peak, int reps, bool phases, Rng& rng) {
   const int64_t E = bench::kFfnExperts, k = bench::kFfnTopK, d = 1536, es = 128, sels = tokens * k;
   const CvmmSelection up = bench::uniform_ffn_routing(tokens);
   std::vector<float> w(static_cast<size_t>(sels));
@@ -58,14 +83,20 @@ void ffn_products(int64_t tokens, double peak, int reps, Rng& rng) {
   cuda::DeviceBuffer<bf16> Hout{size_t(sels * es)};
   std::printf("FFN experts: %lld tokens, %lld experts, top-%lld (%.0f rows per expert)\n", (long long)tokens,
               (long long)E, (long long)k, double(sels) / double(E));
+  const cuda::CvmmRowsArgs down_args{H.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, es, d, false, true, tokens};
+  const cuda::CvmmRowsArgs up_dx_args{dH.get(), Wk.get(), nullptr, nullptr, Yf.get(), nullptr, nullptr, es, d, true, true, tokens};
   report({
       {"up      [m,1536]x[1536,128]  gather", [&] { cuda::cvmm_rows(pu.view(), {X.get(), Wk.get(), nullptr, Hout.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0); }},
-      {"down    [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(pd.view(), {H.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, es, d, false, true, tokens}, 0); }},
+      {"down    [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(pd.view(), down_args, 0); }},
       {"down dX [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(pd.view(true), {dY.get(), Wv.get(), gw.get(), Hout.get(), nullptr, dwf.get(), H.get(), d, es, true, false}, 0); }},
       {"down dW [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, 0); }},
-      {"up dX   [m,128]x[128,1536]   scatter", [&] { cuda::cvmm_rows(pu.view(true), {dH.get(), Wk.get(), nullptr, nullptr, Yf.get(), nullptr, nullptr, es, d, true, true, tokens}, 0); }},
+      {"up dX   [m,128]x[128,1536]   scatter", [&] { cuda::cvmm_rows(pu.view(true), up_dx_args, 0); }},
       {"up dW   [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, 0); }},
   }, 2.0 * double(sels) * double(d) * double(es), peak, reps);
+  if (phases) {
+    report_phases("down", pd.view(), down_args);
+    report_phases("up dX", pu.view(true), up_dx_args);
+  }
   // The weight gradients over two uses of the same weights (two layers sharing them, as GpuModel
   // runs them), each use with its own operands: against twice the single-use rows above.
   auto X2 = random_device<bf16>(size_t(tokens * d), rng, 1.f), dY2 = random_device<bf16>(size_t(tokens * d), rng, 1.f);
@@ -79,7 +110,7 @@ void ffn_products(int64_t tokens, double peak, int reps, Rng& rng) {
 
 // The attention value and output experts: 6 heads with 12 experts each, top-2 per head, d 1536,
 // head size 128, uniform routing; the calls of GpuModel (core/gpu_model.cu).
-void attention_products(int64_t tokens, double peak, int reps, Rng& rng) {
+void attention_products(int64_t tokens, double peak, int reps, bool phases, Rng& rng) {
   const int64_t H = 6, Ea = 12, ka = 2, d = 1536, dh = 128, sels = tokens * H * ka, E = H * Ea;
   CvmmSelection v;  // in: token row; out: (token, head) row
   v.resize(sels);
@@ -106,31 +137,41 @@ void attention_products(int64_t tokens, double peak, int reps, Rng& rng) {
   const cuda::DeviceBuffer<int32_t> v_index(v.expert);
   std::printf("attention experts: %lld tokens, %lld heads x %lld experts, top-%lld per head (%.0f rows per expert)\n",
               (long long)tokens, (long long)H, (long long)Ea, (long long)ka, double(sels) / double(E));
+  const cuda::CvmmRowsArgs o_args{heads.get(), Wo.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, dh, d, false, true, tokens};
+  const cuda::CvmmRowsArgs v_dx_args{dv.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, dh, d, true, true, tokens};
   report({
       {"v       [m,1536]x[1536,128]  gather+sums", [&] {
          cuda::cvmm_rows(cuda::at_selections(pv.view()), {X.get(), Wv.get(), nullptr, v_rows.get(), nullptr, nullptr, nullptr, d, dh, false, false}, 0);
          cuda::cvmm_sum_selections(values.get(), v_rows.get(), gw.get(), v_index.get(), tokens * H, ka, dh, 0); }},
-      {"o       [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(po.view(), {heads.get(), Wo.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, dh, d, false, true, tokens}, 0); }},
+      {"o       [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(po.view(), o_args, 0); }},
       {"o dW    [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(po.view(), {heads.get(), dY.get(), gw.get(), true, dWo.get(), dh, d, E}, 0); }},
       {"o dX    [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(po.view(true), {dY.get(), Wo.get(), gw.get(), nullptr, heads_f.get(), dwf.get(), heads.get(), d, dh, true, true, tokens * H}, 0); }},
       {"v dW    [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pv.view(), {X.get(), dv.get(), gw.get(), true, dWv.get(), d, dh, E}, 0); }},
       {"v dX    [m,128]x[128,1536]   scatter+dots", [&] {
-         cuda::cvmm_rows(pv.view(true), {dv.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, dh, d, true, true, tokens}, 0);
+         cuda::cvmm_rows(pv.view(true), v_dx_args, 0);
          cuda::cvmm_selection_dots(dwf.get(), v_rows.get(), dv.get(), v_index.get(), sels, ka, dh, 0); }},
   }, 2.0 * double(sels) * double(d) * double(dh), peak, reps);
+  if (phases) {
+    report_phases("o", po.view(), o_args);
+    report_phases("v dX", pv.view(true), v_dx_args);
+  }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int64_t tokens = argc > 1 ? std::stoll(argv[1]) : 16384;
-  const int reps = argc > 2 ? std::stoi(argv[2]) : 20;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  const auto flag = std::find(args.begin(), args.end(), "--phases");
+  const bool phases = flag != args.end();
+  if (phases) args.erase(flag);
   try {
+    const int64_t tokens = args.size() > 0 ? std::stoll(args[0]) : 16384;
+    const int reps = args.size() > 1 ? std::stoi(args[1]) : 20;
     const double peak = bench::cublas_peak_tflops();
     std::printf("bf16 peak (cuBLAS 8192^3): %.1f TFLOP/s\n", peak);
     Rng rng(1);
-    ffn_products(tokens, peak, reps, rng);
-    attention_products(tokens, peak, reps, rng);
+    ffn_products(tokens, peak, reps, phases, rng);
+    attention_products(tokens, peak, reps, phases, rng);
     MOEUT_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moeut-bench-cvmm: error: %s\n", e.what());

@@ -7,9 +7,10 @@ bin=$root/build-gpu
 out=${OUT:-/tmp/moeut-gpu-check}
 mkdir -p "$out"
 . "$root/launch/gpu-step.sh"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
-cat "$out/gpu.txt"
-show_source "$bin" | tee -a "$out/gpu.txt"
+# The GPU and the binaries' commit go to the output only: at most 8 files come back from the
+# device, and the steps below fill them.
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+show_source "$bin"
 step gpu_tests "$bin/tests/moeut_gpu_tests"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # expert dispatch between two GPU ranks over NCCL
   step gpu_mpi_tests env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0 \
@@ -18,6 +19,7 @@ fi
 step bench_cvmm_16k "$bin/launch/moeut-bench-cvmm" 16384
 step bench_cvmm_64k "$bin/launch/moeut-bench-cvmm" 65536
 step scatter_floor_16k "$bin/launch/moeut-bench-scatter-floor" 16384
+step scatter_phases_16k timeout 300 "$bin/launch/moeut-bench-cvmm" 16384 3 --phases  # where a scatter item's time goes
 step bench_244M_b32 "$bin/launch/moeut-bench" --config "$root/configs/244M.cfg" --batch 32
 step bench_1B_b16 "$bin/launch/moeut-bench" --config "$root/configs/1B.cfg" --batch 16
 exit $failed

@@ -263,6 +263,52 @@ TEST_F(GpuTest, CvmmMatchesTheCpuReference) {
     check(s);
 }
 
+// The scatter kernel's phase clock (moeut-bench-cvmm --phases): the product is the same with it,
+// every phase is clocked, and the items it counts are the plan's row tiles times the output's
+// bands (one band at a time: told its output has more rows than L2 holds).
+TEST_F(GpuTest, ScatterPhaseClockCountsEveryItem) {
+  const Shape s{1024, 565, 24, 1536, 128, false, false};
+  Rng rng(11);
+  const Routing routing = random_routing(s, rng);
+  const int64_t n = s.tokens, d = s.d, es = s.es, E = s.experts, sels = n * s.k, bands = (d + 127) / 128;
+  const auto dH = random_bf16_values(sels * es, rng, 1.0), Wk = random_bf16_values(E * d * es, rng, 0.05);
+  const DeviceBuffer<bf16> gdH(to_bf16(dH)), gWk(to_bf16(Wk));
+  const cuda::DeviceCvmmPlan plan(routing.up);
+  std::vector<int64_t> rows_of(size_t(E), 0);
+  for (const int32_t e : routing.up.expert) ++rows_of[size_t(e)];
+  int64_t tiles = 0;
+  for (const int64_t rows : rows_of) tiles += (rows + cuda::kCvmmTileRows - 1) / cuda::kCvmmTileRows;
+
+  DeviceBuffer<float> plain_dx(std::vector<float>(size_t(n * d), 0.f)), clocked_dx(std::vector<float>(size_t(n * d), 0.f));
+  cuda::CvmmRowsArgs a{gdH.get(), gWk.get(), nullptr, nullptr, plain_dx.get(), nullptr, nullptr, es, d, true, true,
+                       int64_t(1) << 30};
+  ASSERT_TRUE(cuda::cvmm_on_scatter_kernel(a));
+  cuda::cvmm_rows(plan.view(true), a, 0);
+  int device = 0, sms = 0;
+  MOEUT_CUDA_CHECK(cudaGetDevice(&device));
+  MOEUT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  constexpr int P = cuda::kScatterPhases;
+  DeviceBuffer<unsigned long long> slots(std::vector<unsigned long long>(size_t(sms) * P, 0));
+  a.out_f32 = clocked_dx.get();
+  a.phase_cycles = slots.get();
+  cuda::cvmm_rows(plan.view(true), a, 0);
+  EXPECT_LE(rel_error(clocked_dx.download(), plain_dx.download()), 1e-5) << "the product with the clock";
+
+  const std::vector<unsigned long long> got = slots.download();
+  std::vector<unsigned long long> total(P, 0);
+  for (size_t i = 0; i < got.size(); ++i) total[i % P] += got[i];
+  EXPECT_EQ(int64_t(total[cuda::kItems]), tiles * bands) << "items counted";
+  for (int p = 0; p < cuda::kItems; ++p) {
+    if (p == cuda::kDweight) continue;  // no routing-weight gradient here: next to no cycles
+    EXPECT_GT(total[p], 0u) << cuda::kScatterPhaseNames[p];
+  }
+  for (int b = 0; b < sms; ++b) {
+    unsigned long long multiplying = 0;
+    for (int p = 0; p < cuda::kWaitTileFull; ++p) multiplying += got[size_t(b) * P + p];
+    EXPECT_EQ(multiplying > 0, got[size_t(b) * P + cuda::kItems] > 0) << "block " << b << ": clocked where it has items";
+  }
+}
+
 // Expert parallelism hands the planner selections whose expert lives on another rank (index
 // -1): the device-built plan must leave exactly those out, and compute the rest as the reference.
 // The FFN's hidden rows are written at the selections' positions in expert order, so the live
