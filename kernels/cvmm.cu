@@ -404,7 +404,7 @@ struct PhaseClock {
     }
   }
   __device__ __forceinline__ void count_item() {
-    if constexpr (kClock) ++cycles[kScatterPhases - 1];
+    if constexpr (kClock) ++cycles[kItems];
   }
   __device__ __forceinline__ void add_into(unsigned long long* block_slots, int first, int end) const {
     if constexpr (kClock)
