@@ -1269,14 +1269,15 @@ DeviceFacts device_facts() {
   return facts;
 }
 
-template <bool kTransW, bool kClock>
+template <bool kTransW>
 void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   const DeviceFacts facts = device_facts();
   // Bands in pairs when two of them fit in half of L2. H100 (50 MB), 1B shapes, ms with one band
   // against two: 16k tokens (16 MB a pair) down 1.208 / 1.151, up dX 1.234 / 1.136; 32k tokens
   // (34 MB) down 3.028 / 3.456, up dX 3.004 / 3.455, o 1.289 / 1.652 (docs/PERFORMANCE.md v14).
   const int group = 2 * BN * sizeof(float) * a.out_rows <= int64_t(facts.l2_bytes) / 2 ? 2 : 1;
-  launch_with_smem(cvmm_scatter_kernel<kTransW, kClock>, dim3(unsigned(facts.multiprocessors)), kScatterThreads,
+  const auto kernel = a.phase_cycles ? cvmm_scatter_kernel<kTransW, true> : cvmm_scatter_kernel<kTransW, false>;
+  launch_with_smem(kernel, dim3(unsigned(facts.multiprocessors)), kScatterThreads,
                    kScatterSmemBytes, stream, plan, a, group);
 }
 
@@ -1334,6 +1335,15 @@ bool cvmm_on_scatter_kernel(const CvmmRowsArgs& a) {
   return a.accumulate && a.K <= 2 * BK && rows_addable(a.out_f32, a.N, a.N);
 }
 
+std::vector<unsigned long long> cvmm_scatter_phase_cycles(const CvmmPlan& plan, CvmmRowsArgs a, cudaStream_t stream) {
+  if (!cvmm_on_scatter_kernel(a)) throw std::invalid_argument("cvmm_scatter_phase_cycles: not a scatter-kernel product");
+  DeviceBuffer<unsigned long long> slots(std::vector<unsigned long long>(size_t(device_facts().multiprocessors) * kScatterPhases, 0));
+  a.phase_cycles = slots.get();
+  cvmm_rows(plan, a, stream);
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return slots.download();
+}
+
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   if (plan.tiles == 0) return;
   if (a.accumulate ? !a.out_f32 : !a.out) throw std::invalid_argument("cvmm_rows: output buffer missing");
@@ -1345,13 +1355,8 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
                       (a.accumulate ? rows_addable(a.out_f32, a.N, a.N) : vectorizable(a.out, a.N)) &&
                       (!a.dot_rows || vectorizable(a.dot_rows, a.N)) && vectorizable(a.W, a.K);
   if (scatter) {
-    if (a.phase_cycles) {
-      if (a.transpose_w) launch_scatter<true, true>(plan, a, stream);
-      else launch_scatter<false, true>(plan, a, stream);
-    } else {
-      if (a.transpose_w) launch_scatter<true, false>(plan, a, stream);
-      else launch_scatter<false, false>(plan, a, stream);
-    }
+    if (a.transpose_w) launch_scatter<true>(plan, a, stream);
+    else launch_scatter<false>(plan, a, stream);
   } else if (gather) {
     if (a.transpose_w) launch_gather<true>(plan, a, stream);
     else launch_gather<false>(plan, a, stream);

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <iterator>
+#include <vector>
 
 #include "kernels/cvmm.h"
 #include "kernels/device_buffer.h"
@@ -62,10 +63,7 @@ struct CvmmRowsArgs {
   // Stored (bf16) outputs only: kApply stores max(0, ·) (the FFN's hidden units); kMaskByDotRows
   // stores 0 where dot_rows <= 0 (the gradient through that ReLU, dot_rows being its output).
   enum class Relu { kNone, kApply, kMaskByDotRows } relu = Relu::kNone;
-  // The scatter kernel's phase clock (moeut-bench-cvmm --phases), null in training: where set and
-  // the product runs on the scatter kernel (cvmm_on_scatter_kernel), each of its blocks adds the
-  // clock cycles of every phase of its items, and their count, into phase_cycles[block ·
-  // kScatterPhases + phase]: kScatterPhases × the GPU's multiprocessors, zeroed by the caller.
+  // The scatter kernel's phase clock, set by cvmm_scatter_phase_cycles only (null in training).
   unsigned long long* phase_cycles = nullptr;
 };
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream);
@@ -79,8 +77,13 @@ inline constexpr const char* kScatterPhaseNames[] = {
     "multiplying: routing-weight gradient", "adding: wait for a tile", "adding: additions", "items"};
 inline constexpr int kScatterPhases = int(std::size(kScatterPhaseNames));
 static_assert(kScatterPhases == kItems + 1, "a name for every phase");
-// Whether cvmm_rows runs these arguments on the scatter kernel (whose phases phase_cycles clocks).
+// Whether cvmm_rows runs these arguments on the scatter kernel.
 bool cvmm_on_scatter_kernel(const CvmmRowsArgs& a);
+// The scatter kernel's phase clock (moeut-bench-cvmm --phases): runs the product of `a` (one that
+// cvmm_on_scatter_kernel takes) once, each block summing the clock cycles of every phase of its
+// items and counting them, and returns them as [block · kScatterPhases + phase], a block per
+// multiprocessor.
+std::vector<unsigned long long> cvmm_scatter_phase_cycles(const CvmmPlan& plan, CvmmRowsArgs a, cudaStream_t stream);
 
 // Each selection's product kept in a row of its own: a plan whose output row is the selection's
 // index, for cvmm_rows's stored outputs. The attention's value experts keep their rows so (two

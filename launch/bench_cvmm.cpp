@@ -45,23 +45,18 @@ void report(const std::vector<Product>& products, double flop, double peak, int 
 
 // --phases: where a scatter's items spend their time, from one run with the scatter kernel's phase
 // clock: cycles an item in each phase, over all blocks, and each phase's share of its warps' time.
-void report_phases(const char* name, const cuda::CvmmPlan& plan, cuda::CvmmRowsArgs a) {
+void report_phases(const char* name, const cuda::CvmmPlan& plan, const cuda::CvmmRowsArgs& a) {
   if (!cuda::cvmm_on_scatter_kernel(a)) return;
-  int device = 0, sms = 0;
-  MOEUT_CUDA_CHECK(cudaGetDevice(&device));
-  MOEUT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   constexpr int P = cuda::kScatterPhases;
-  cuda::DeviceBuffer<unsigned long long> slots(std::vector<unsigned long long>(size_t(sms) * P, 0));
-  a.phase_cycles = slots.get();
-  cuda::cvmm_rows(plan, a, 0);
-  const std::vector<unsigned long long> per_block = slots.download();
+  const std::vector<unsigned long long> per_block = cuda::cvmm_scatter_phase_cycles(plan, a, 0);
+  const double blocks = double(per_block.size() / P);
   std::vector<double> total(P, 0.0);
   for (size_t i = 0; i < per_block.size(); ++i) total[i % P] += double(per_block[i]);
   const double items = total[cuda::kItems];
   auto multiplying = [](int p) { return p < cuda::kWaitTileFull; };
   double role_total[2] = {};  // multiplying, adding
   for (int p = 0; p < cuda::kItems; ++p) role_total[multiplying(p) ? 0 : 1] += total[p];
-  std::printf("  %s: %.0f items, %.1f a block; clock cycles an item by phase:\n", name, items, items / sms);
+  std::printf("  %s: %.0f items, %.1f a block; clock cycles an item by phase:\n", name, items, items / blocks);
   for (int p = 0; p < cuda::kItems; ++p)
     std::printf("    %-40s %8.0f  (%4.1f%% of its warps' time)\n", cuda::kScatterPhaseNames[p],
                 items > 0 ? total[p] / items : 0.0, 100.0 * total[p] / std::max(1.0, role_total[multiplying(p) ? 0 : 1]));
