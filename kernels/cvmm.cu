@@ -1335,13 +1335,22 @@ bool cvmm_on_scatter_kernel(const CvmmRowsArgs& a) {
   return a.accumulate && a.K <= 2 * BK && rows_addable(a.out_f32, a.N, a.N);
 }
 
-std::vector<unsigned long long> cvmm_scatter_phase_cycles(const CvmmPlan& plan, CvmmRowsArgs a, cudaStream_t stream) {
+ScatterPhaseClock cvmm_scatter_phase_cycles(const CvmmPlan& plan, CvmmRowsArgs a, cudaStream_t stream) {
   if (!cvmm_on_scatter_kernel(a)) throw std::invalid_argument("cvmm_scatter_phase_cycles: not a scatter-kernel product");
   DeviceBuffer<unsigned long long> slots(std::vector<unsigned long long>(size_t(device_facts().multiprocessors) * kScatterPhases, 0));
   a.phase_cycles = slots.get();
+  cudaEvent_t begin, end;
+  MOEUT_CUDA_CHECK(cudaEventCreate(&begin));
+  MOEUT_CUDA_CHECK(cudaEventCreate(&end));
+  MOEUT_CUDA_CHECK(cudaEventRecord(begin, stream));
   cvmm_rows(plan, a, stream);
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return slots.download();
+  MOEUT_CUDA_CHECK(cudaEventRecord(end, stream));
+  MOEUT_CUDA_CHECK(cudaEventSynchronize(end));
+  ScatterPhaseClock clock{slots.download()};
+  MOEUT_CUDA_CHECK(cudaEventElapsedTime(&clock.ms, begin, end));
+  MOEUT_CUDA_CHECK(cudaEventDestroy(begin));
+  MOEUT_CUDA_CHECK(cudaEventDestroy(end));
+  return clock;
 }
 
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {

@@ -81,9 +81,13 @@ static_assert(kScatterPhases == kItems + 1, "a name for every phase");
 bool cvmm_on_scatter_kernel(const CvmmRowsArgs& a);
 // The scatter kernel's phase clock (moeut-bench-cvmm --phases): runs the product of `a` (one that
 // cvmm_on_scatter_kernel takes) once, each block summing the clock cycles of every phase of its
-// items and counting them, and returns them as [block · kScatterPhases + phase], a block per
-// multiprocessor.
-std::vector<unsigned long long> cvmm_scatter_phase_cycles(const CvmmPlan& plan, CvmmRowsArgs a, cudaStream_t stream);
+// items and counting them: cycles[block · kScatterPhases + phase], a block per multiprocessor,
+// and the run's time (events around the launch alone).
+struct ScatterPhaseClock {
+  std::vector<unsigned long long> cycles;
+  float ms = 0;
+};
+ScatterPhaseClock cvmm_scatter_phase_cycles(const CvmmPlan& plan, CvmmRowsArgs a, cudaStream_t stream);
 
 // Each selection's product kept in a row of its own: a plan whose output row is the selection's
 // index, for cvmm_rows's stored outputs. The attention's value experts keep their rows so (two

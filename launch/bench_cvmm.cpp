@@ -45,14 +45,25 @@ void report(const std::vector<Product>& products, double flop, double peak, int 
 
 // --phases: where a scatter's items spend their time, from one run with the scatter kernel's phase
 // clock: cycles an item in each phase, over all blocks, and each phase's share of its warps' time.
+// First the blocks' loops (the adding warps' cycles: they run to the block's last item) against
+// the run's time: a slowest block far above the mean is imbalance, and with the blocks even the
+// clock rate they imply is the SM clock's.
 void report_phases(const char* name, const cuda::CvmmPlan& plan, const cuda::CvmmRowsArgs& a) {
   if (!cuda::cvmm_on_scatter_kernel(a)) return;
   constexpr int P = cuda::kScatterPhases;
-  const std::vector<unsigned long long> per_block = cuda::cvmm_scatter_phase_cycles(plan, a, 0);
+  const cuda::ScatterPhaseClock clock = cuda::cvmm_scatter_phase_cycles(plan, a, 0);
+  const std::vector<unsigned long long>& per_block = clock.cycles;
   const double blocks = double(per_block.size() / P);
   std::vector<double> total(P, 0.0);
   for (size_t i = 0; i < per_block.size(); ++i) total[i % P] += double(per_block[i]);
   const double items = total[cuda::kItems];
+  double slowest_loop = 0;
+  for (size_t b = 0; b < per_block.size(); b += P)
+    slowest_loop = std::max(slowest_loop, double(per_block[b + cuda::kWaitTileFull] + per_block[b + cuda::kAdditions]));
+  const double mean_loop = (total[cuda::kWaitTileFull] + total[cuda::kAdditions]) / blocks;
+  std::printf("  %s: blocks' loops %.0f cycles on average, %.0f the slowest (%.3fx); run %.3f ms: %.0f MHz at the slowest\n",
+              name, mean_loop, slowest_loop, slowest_loop / std::max(1.0, mean_loop), clock.ms,
+              slowest_loop / (double(clock.ms) * 1e3));
   auto multiplying = [](int p) { return p < cuda::kWaitTileFull; };
   double role_total[2] = {};  // multiplying, adding
   for (int p = 0; p < cuda::kItems; ++p) role_total[multiplying(p) ? 0 : 1] += total[p];
