@@ -406,6 +406,9 @@ struct PhaseClock {
   __device__ __forceinline__ void count_item() {
     if constexpr (kClock) ++cycles[kItems];
   }
+  __device__ __forceinline__ void count_rows(int rows) {
+    if constexpr (kClock) cycles[kRows] += unsigned(rows);
+  }
   __device__ __forceinline__ void add_into(unsigned long long* block_slots, int first, int end) const {
     if constexpr (kClock)
       for (int p = first; p < end; ++p) block_slots[p] += cycles[p];
@@ -451,9 +454,13 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
         }
       }
       clock.stamp(kAdditions);
+      clock.count_rows(sl.item.live);
       if (s + 1 < items) bar_arrive(kTileEmpty, kScatterThreads);
     }
-    if (threadIdx.x == kRowsThreads) clock.add_into(block_slots, kWaitTileFull, kAdditions + 1);
+    if (threadIdx.x == kRowsThreads) {
+      clock.add_into(block_slots, kWaitTileFull, kAdditions + 1);
+      clock.add_into(block_slots, kRows, kRows + 1);
+    }
     return;
   }
 

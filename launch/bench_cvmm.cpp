@@ -47,7 +47,8 @@ void report(const std::vector<Product>& products, double flop, double peak, int 
 // clock: cycles an item in each phase, over all blocks, and each phase's share of its warps' time.
 // First the blocks' loops (the adding warps' cycles: they run to the block's last item) against
 // the run's time: a slowest block far above the mean is imbalance, and with the blocks even the
-// clock rate they imply is the SM clock's.
+// clock rate they imply is the SM clock's. Then the blocks' work, items and rows added: whether
+// the slowest block is the one given the most.
 void report_phases(const char* name, const cuda::CvmmPlan& plan, const cuda::CvmmRowsArgs& a) {
   if (!cuda::cvmm_on_scatter_kernel(a)) return;
   constexpr int P = cuda::kScatterPhases;
@@ -57,13 +58,21 @@ void report_phases(const char* name, const cuda::CvmmPlan& plan, const cuda::Cvm
   std::vector<double> total(P, 0.0);
   for (size_t i = 0; i < per_block.size(); ++i) total[i % P] += double(per_block[i]);
   const double items = total[cuda::kItems];
-  double slowest_loop = 0;
-  for (size_t b = 0; b < per_block.size(); b += P)
-    slowest_loop = std::max(slowest_loop, double(per_block[b + cuda::kWaitTileFull] + per_block[b + cuda::kAdditions]));
+  double slowest_loop = 0, most_items = 0, most_rows = 0;
+  size_t slowest = 0;
+  for (size_t b = 0; b < per_block.size(); b += P) {
+    const double loop = double(per_block[b + cuda::kWaitTileFull] + per_block[b + cuda::kAdditions]);
+    if (loop > slowest_loop) slowest_loop = loop, slowest = b;
+    most_items = std::max(most_items, double(per_block[b + cuda::kItems]));
+    most_rows = std::max(most_rows, double(per_block[b + cuda::kRows]));
+  }
   const double mean_loop = (total[cuda::kWaitTileFull] + total[cuda::kAdditions]) / blocks;
   std::printf("  %s: blocks' loops %.0f cycles on average, %.0f the slowest (%.3fx); run %.3f ms: %.0f MHz at the slowest\n",
               name, mean_loop, slowest_loop, slowest_loop / std::max(1.0, mean_loop), clock.ms,
               slowest_loop / (double(clock.ms) * 1e3));
+  std::printf("    a block's items: %.1f on average, %.0f the most, %llu the slowest's; rows: %.0f, %.0f, %llu\n",
+              total[cuda::kItems] / blocks, most_items, per_block[slowest + cuda::kItems], total[cuda::kRows] / blocks,
+              most_rows, per_block[slowest + cuda::kRows]);
   auto multiplying = [](int p) { return p < cuda::kWaitTileFull; };
   double role_total[2] = {};  // multiplying, adding
   for (int p = 0; p < cuda::kItems; ++p) role_total[multiplying(p) ? 0 : 1] += total[p];

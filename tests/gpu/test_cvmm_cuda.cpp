@@ -292,6 +292,7 @@ TEST_F(GpuTest, ScatterPhaseClockCountsEveryItem) {
   std::vector<unsigned long long> total(P, 0);
   for (size_t i = 0; i < got.size(); ++i) total[i % P] += got[i];
   EXPECT_EQ(int64_t(total[cuda::kItems]), tiles * bands) << "items counted";
+  EXPECT_EQ(int64_t(total[cuda::kRows]), sels * bands) << "rows counted";
   for (int p = 0; p < cuda::kItems; ++p) {
     if (p == cuda::kDweight) continue;  // no routing-weight gradient here: next to no cycles
     EXPECT_GT(total[p], 0u) << cuda::kScatterPhaseNames[p];
