@@ -611,9 +611,12 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     clock.stamp(kDweight);
   }
   cp_async_wait<0>();
-  if (threadIdx.x == 0) {
+  if (kClock && threadIdx.x == 0) {
     clock.add_into(block_slots, kWaitOperands, kDweight + 1);
     clock.add_into(block_slots, kItems, kItems + 1);
+    unsigned sm;
+    asm("mov.u32 %0, %%smid;" : "=r"(sm));
+    block_slots[kSm] = sm;
   }
 }
 

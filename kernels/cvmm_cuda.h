@@ -68,15 +68,16 @@ struct CvmmRowsArgs {
 };
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream);
 // The phases of a scatter-kernel item, as phase_cycles holds them: the multiplying warps' seven
-// in the order they run, then the adding warps' two, then the items and the rows they added.
+// in the order they run, then the adding warps' two, then the items and the rows they added, and
+// the multiprocessor the block ran on.
 enum ScatterPhase { kWaitOperands, kLookups, kProductsDone, kWaitTileEmpty, kTileWritten, kLoadsIssued, kDweight,
-                    kWaitTileFull, kAdditions, kItems, kRows };
+                    kWaitTileFull, kAdditions, kItems, kRows, kSm };
 inline constexpr const char* kScatterPhaseNames[] = {
     "multiplying: wait for the operands", "multiplying: lookups", "multiplying: products",
     "multiplying: wait for the tile buffer", "multiplying: tile into the buffer", "multiplying: loads issued",
-    "multiplying: routing-weight gradient", "adding: wait for a tile", "adding: additions", "items", "rows"};
+    "multiplying: routing-weight gradient", "adding: wait for a tile", "adding: additions", "items", "rows", "multiprocessor"};
 inline constexpr int kScatterPhases = int(std::size(kScatterPhaseNames));
-static_assert(kScatterPhases == kRows + 1, "a name for every phase");
+static_assert(kScatterPhases == kSm + 1, "a name for every phase");
 // Whether cvmm_rows runs these arguments on the scatter kernel.
 bool cvmm_on_scatter_kernel(const CvmmRowsArgs& a);
 // The scatter kernel's phase clock (moeut-bench-cvmm --phases): runs the product of `a` (one that

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/rng.h"
@@ -48,7 +49,8 @@ void report(const std::vector<Product>& products, double flop, double peak, int 
 // First the blocks' loops (the adding warps' cycles: they run to the block's last item) against
 // the run's time: a slowest block far above the mean is imbalance, and with the blocks even the
 // clock rate they imply is the SM clock's. Then the blocks' work, items and rows added: whether
-// the slowest block is the one given the most.
+// the slowest block is the one given the most; and the multiprocessors of the slowest blocks,
+// which tell, run to run and product to product, whether the same SMs are the slow ones.
 void report_phases(const char* name, const cuda::CvmmPlan& plan, const cuda::CvmmRowsArgs& a) {
   if (!cuda::cvmm_on_scatter_kernel(a)) return;
   constexpr int P = cuda::kScatterPhases;
@@ -73,6 +75,15 @@ void report_phases(const char* name, const cuda::CvmmPlan& plan, const cuda::Cvm
   std::printf("    a block's items: %.1f on average, %.0f the most, %llu the slowest's; rows: %.0f, %.0f, %llu\n",
               total[cuda::kItems] / blocks, most_items, per_block[slowest + cuda::kItems], total[cuda::kRows] / blocks,
               most_rows, per_block[slowest + cuda::kRows]);
+  std::vector<std::pair<double, unsigned long long>> by_loop;  // (loop / average, SM)
+  for (size_t b = 0; b < per_block.size(); b += P)
+    by_loop.emplace_back(double(per_block[b + cuda::kWaitTileFull] + per_block[b + cuda::kAdditions]) / mean_loop,
+                         per_block[b + cuda::kSm]);
+  std::sort(by_loop.rbegin(), by_loop.rend());
+  std::printf("    slowest SMs (loop / average):");
+  for (size_t i = 0; i < std::min<size_t>(10, by_loop.size()); ++i)
+    std::printf(" %llu (%.3f)", by_loop[i].second, by_loop[i].first);
+  std::printf("\n");
   auto multiplying = [](int p) { return p < cuda::kWaitTileFull; };
   double role_total[2] = {};  // multiplying, adding
   for (int p = 0; p < cuda::kItems; ++p) role_total[multiplying(p) ? 0 : 1] += total[p];

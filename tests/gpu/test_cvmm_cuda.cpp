@@ -302,6 +302,11 @@ TEST_F(GpuTest, ScatterPhaseClockCountsEveryItem) {
     for (int p = 0; p < cuda::kWaitTileFull; ++p) multiplying += got[size_t(b) * P + p];
     EXPECT_EQ(multiplying > 0, got[size_t(b) * P + cuda::kItems] > 0) << "block " << b << ": clocked where it has items";
   }
+  // A block per multiprocessor, all resident at once: each names a different one.
+  std::vector<unsigned long long> sms;
+  for (int b = 0; b < blocks; ++b) sms.push_back(got[size_t(b) * P + cuda::kSm]);
+  std::sort(sms.begin(), sms.end());
+  EXPECT_EQ(std::unique(sms.begin(), sms.end()), sms.end()) << "multiprocessors named twice";
 }
 
 // Expert parallelism hands the planner selections whose expert lives on another rank (index
