@@ -348,7 +348,9 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 //   slabs (at 1B the FFN's 100 MB of rows do not stay in L2: read once per pair of bands, not
 //   once per band, docs/PERFORMANCE.md v14), and consecutive tiles mostly share their expert, so
 //   a band's weight slab is loaded once per expert, not once per item. G = 2 when two bands of
-//   the output fit in half of L2.
+//   the output fit in half of L2. The last two tiles a block of each group are shared instead:
+//   taken one at a time from a counter by the blocks that get there first (the shared tail,
+//   below), as blocks given even shares end 3-5% apart.
 // - Two warpgroups load (row slabs: two stages, one per tile; weight slabs: two buffers, item s
 //   in buffer s % 2) and multiply; a third adds each finished tile into its rows with 16-byte vector
 //   atomics while the first two go on with the next items. The tile passes between them
@@ -380,6 +382,7 @@ struct ScatterItem {
   bool first_band;   // the first of its group of bands: loads the row slabs
   int row_stage;     // the row stage holding its row slabs: (s / G) % 2
   bool new_weights;  // its weight buffer holds another slab: loads it
+  bool past_end;     // past the block's last item: the loops end here
 };
 struct ScatterSlot {
   TileRows rows;
@@ -415,6 +418,13 @@ struct PhaseClock {
   }
 };
 
+// The shared tail: in each group of bands the last kTailTilesPerBlock · blocks row tiles are not
+// split in advance but taken one at a time from the plan's counter of that group by whichever
+// blocks get there first, as the blocks end 3-5% apart from the SMs' speed alone
+// (docs/PERFORMANCE.md v26). The plan's tail_counters[kCvmmMaxBandGroups] counts the finished
+// blocks; the last one zeroes them all for the next launch.
+constexpr int kTailTilesPerBlock = 2;
+
 template <bool kTransW, bool kClock>
 __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPlan plan, CvmmRowsArgs a, int group) {
   extern __shared__ unsigned char smem_raw[];
@@ -424,12 +434,13 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   float* Cs = reinterpret_cast<float*>(smem + 4 * kOperandBytes);  // [BM][BN], swizzled
   __shared__ ScatterSlot slot[kScatterSlots];
   const int64_t K = a.K, N = a.N;
-  // This block's row tiles in every band: [tile0, tile0 + run), taken by groups of bands: item s
-  // is row tile tile0 + (s mod G·run) / G in band G·(s div G·run) + s mod G.
-  const int tiles = *plan.live_tiles, bands = int((N + BN - 1) / BN);
-  const int tile0 = int(int64_t(tiles) * blockIdx.x / gridDim.x);
-  const int run = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x) - tile0;
-  const int items = run * group * ((bands + group - 1) / group);
+  // This block's row tiles in every group of bands: [tile0, tile_end) of the first `split`, then
+  // tiles split + i taken from the group's counter while i < tiles - split; each tile's G bands
+  // in turn.
+  const int tiles = *plan.live_tiles, bands = int((N + BN - 1) / BN), band_groups = (bands + group - 1) / group;
+  const int split = max(0, tiles - kTailTilesPerBlock * int(gridDim.x)), tail = tiles - split;
+  const int tile0 = int(int64_t(split) * blockIdx.x / gridDim.x);
+  const int tile_end = int(int64_t(split) * (blockIdx.x + 1) / gridDim.x);
   // Row rr's 16-byte chunk c of the tile buffer.
   auto chunk_at = [&](int rr, int c) { return Cs + rr * BN + ((c ^ (rr % 8)) * 4); };
 
@@ -438,12 +449,13 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   if (threadIdx.x >= kRowsThreads) {  // the adding warpgroup: warp w adds rows w, w + 4, ...
     const int warp = (threadIdx.x - kRowsThreads) / 32, lane = threadIdx.x % 32;
     constexpr int kWarps = (kScatterThreads - kRowsThreads) / 32;
-    if (items > 0) bar_arrive(kTileEmpty, kScatterThreads);  // the buffer starts empty
+    bar_arrive(kTileEmpty, kScatterThreads);  // the buffer starts empty
     clock.start();
-    for (int s = 0; s < items; ++s) {
+    for (int s = 0;; ++s) {
       bar_sync(kTileFull, kScatterThreads);
       clock.stamp(kWaitTileFull);
       const ScatterSlot& sl = slot[s % kScatterSlots];
+      if (sl.item.past_end) break;
       const int n0 = sl.item.n0;
       if (4 * lane < int(min64(BN, N - n0))) {
         for (int rr = warp; rr < sl.item.live; rr += kWarps) {
@@ -455,7 +467,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
       }
       clock.stamp(kAdditions);
       clock.count_rows(sl.item.live);
-      if (s + 1 < items) bar_arrive(kTileEmpty, kScatterThreads);
+      bar_arrive(kTileEmpty, kScatterThreads);
     }
     if (threadIdx.x == kRowsThreads) {
       clock.add_into(block_slots, kWaitTileFull, kAdditions + 1);
@@ -469,20 +481,55 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   const int wg = threadIdx.x / 128;
   // Items are looked up for s = 0, 1, 2, ... in turn, so a cursor steps through their (tile, band,
   // row stage) in the order above with no division (this runs every item, on the multiplying
-  // warps' path): row tile tile0 + cursor_tile, band G·cursor_group + cursor_band.
-  int cursor_tile = 0, cursor_band = 0, cursor_group = 0, cursor_stage = 0;
+  // warps' path): row tile cursor_tile, band G·cursor_group + cursor_band.
+  int cursor_tile = 0, cursor_band = 0, cursor_group = 0, cursor_stage = 0, next_tile = tile0;
+  // Tail tiles: thread 0 asks the group's counter for one (`asked`) as soon as the block starts
+  // the group or takes the tile it had, and writes the answer into taken[k % 2] for the k-th
+  // ask at the end of that iteration (the next one's first barrier shows it to the others); an
+  // answer needed sooner is written at once, behind a barrier of the multiplying warps, which
+  // all take the same path. Two boxes: the one written next was last read before a barrier.
+  __shared__ int taken[2];
+  int asks = 0, asked = 0;
+  bool answered = true;
+  auto ask = [&] {
+    if (r == 0) asked = int(atomicAdd(&plan.tail_counters[cursor_group], 1u));
+    answered = false;
+    ++asks;
+  };
+  auto answer = [&] {  // writes the last ask's answer (once it has come back)
+    if (!answered && r == 0) taken[(asks - 1) % 2] = asked;
+    answered = true;
+  };
+  auto take_tile = [&] {  // the next tile of this block, advancing the group; -1: none left
+    while (cursor_group < band_groups) {
+      if (next_tile < tile_end) return next_tile++;
+      if (!answered) {
+        answer();
+        bar_sync(kProducts, kRowsThreads);
+      }
+      const int i = taken[(asks - 1) % 2];
+      if (i < tail) {
+        ask();
+        return split + i;
+      }
+      if (++cursor_group < band_groups) next_tile = tile0, ask();
+    }
+    return -1;
+  };
+  ask();
   // First level: the tile's expert and first position, and whether its weight buffer needs
   // loading after item s - 2, the buffer's previous user.
   auto item_of = [&](int s, const ScatterItem& before2) {
     ScatterItem t{};
     t.expert = -1;
-    const int band = s < items ? group * cursor_group + cursor_band : bands;
-    const int tile = tile0 + cursor_tile, stage = cursor_stage;
+    if (cursor_band == 0) cursor_tile = take_tile();
+    const int band = cursor_tile < 0 ? bands : group * cursor_group + cursor_band;
+    const int tile = cursor_tile, stage = cursor_stage;
     const bool first_band = cursor_band == 0;
-    if (++cursor_band == group) {
+    t.past_end = tile < 0;
+    if (!t.past_end && ++cursor_band == group) {
       cursor_band = 0;
       cursor_stage ^= 1;
-      if (++cursor_tile == run) cursor_tile = 0, ++cursor_group;
     }
     if (band < bands) {
       t.expert = plan.tile_expert[tile];
@@ -553,16 +600,22 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   ScatterItem ahead3 = item_of(3, first3[1]);
   ScatterItem ahead4 = item_of(4, first3[2]);
   item_end(ahead3);
+  answer();
   bar_sync(kProducts, kRowsThreads);
   put_weight(0, weight_of(0));
   load_item(0);
   load_item(1);
 
   clock.start();
-  for (int s = 0; s < items; ++s) {
+  for (int s = 0;; ++s) {
     cp_async_wait<1>();  // item s has landed (this thread's copies)
     wgmma::fence_shared_for_async();
     bar_sync(kProducts, kRowsThreads);
+    if (slot[s % kScatterSlots].item.past_end) {  // to the adding warps, once done with s - 1
+      bar_sync(kTileEmpty, kScatterThreads);
+      bar_arrive(kTileFull, kScatterThreads);
+      break;
+    }
     clock.stamp(kWaitOperands);
     clock.count_item();
     // This iteration's lookups, each on what earlier iterations found.
@@ -609,8 +662,18 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
       routing_weight_grad(a, chunk_at, tr.out, tr.sel, t.live, N, t.n0, int(min64(BN, N - t.n0)));
     }
     clock.stamp(kDweight);
+    answer();
   }
   cp_async_wait<0>();
+  // Every ask of this block has been answered (its value used), so no fence is needed before the
+  // count: the last block to finish zeroes the counters. (A fence here also made ptxas keep the
+  // adding warps' atomics as ATOMG, waiting for each one's reply: 3x slower, PERFORMANCE v26.)
+  if (r == 0) {
+    if (atomicAdd(&plan.tail_counters[kCvmmMaxBandGroups], 1u) == gridDim.x - 1) {
+      for (int g = 0; g < band_groups; ++g) plan.tail_counters[g] = 0;
+      plan.tail_counters[kCvmmMaxBandGroups] = 0;
+    }
+  }
   if (kClock && threadIdx.x == 0) {
     clock.add_into(block_slots, kWaitOperands, kDweight + 1);
     clock.add_into(block_slots, kItems, kItems + 1);
@@ -1071,6 +1134,10 @@ std::vector<int32_t> tile_list(const CvmmSelection& sel, TileField field) {
   return out;
 }
 
+DeviceBuffer<uint32_t> zeroed_tail_counters() {
+  return DeviceBuffer<uint32_t>(std::vector<uint32_t>(kCvmmMaxBandGroups + 1, 0));
+}
+
 }  // namespace
 
 DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
@@ -1090,6 +1157,7 @@ DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
   tiles = int32_t(experts.size());
   live_tiles = DeviceBuffer<int32_t>(std::vector<int32_t>{tiles});
   live_pairs = DeviceBuffer<int32_t>(std::vector<int32_t>{int32_t(pairs.size())});
+  tail_counters = zeroed_tail_counters();
   in_by_position = out_by_position = true;
   for (size_t p = 0; p < sel.by_expert.size(); ++p) {
     in_by_position &= in_by_position_rows[p] == int32_t(p);
@@ -1101,7 +1169,8 @@ DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
 CvmmPlan CvmmPlanBuffers::view(bool swapped) const {
   return {by_expert.get(), swapped ? out_row.get() : in_row.get(), swapped ? in_row.get() : out_row.get(),
           expert_begin.get(), tile_expert.get(), tile_first.get(), live_tiles.get(), pair_tile.get(), live_pairs.get(),
-          tiles, swapped ? out_by_position : in_by_position, swapped ? in_by_position : out_by_position, positions};
+          tiles, swapped ? out_by_position : in_by_position, swapped ? in_by_position : out_by_position, positions,
+          tail_counters.get()};
 }
 
 namespace {
@@ -1209,6 +1278,7 @@ CvmmPlanBuffers CvmmPlanner::make_buffers() const {
   p.pair_tile = DeviceBuffer<int32_t>(size_t(p.tiles));
   p.live_pairs = DeviceBuffer<int32_t>(1);
   p.expert_begin = DeviceBuffer<int64_t>(size_t(max_experts_ + 1));
+  p.tail_counters = zeroed_tail_counters();
   return p;
 }
 
@@ -1286,6 +1356,10 @@ void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t st
   // against two: 16k tokens (16 MB a pair) down 1.208 / 1.151, up dX 1.234 / 1.136; 32k tokens
   // (34 MB) down 3.028 / 3.456, up dX 3.004 / 3.455, o 1.289 / 1.652 (docs/PERFORMANCE.md v14).
   const int group = 2 * BN * sizeof(float) * a.out_rows <= int64_t(facts.l2_bytes) / 2 ? 2 : 1;
+  if (!plan.tail_counters) throw std::invalid_argument("cvmm_rows: a scatter on a plan without tail counters");
+  if ((a.N + group * BN - 1) / (group * BN) > kCvmmMaxBandGroups)
+    throw std::invalid_argument("cvmm_rows: a scatter over " + std::to_string(a.N) + " columns exceeds the " +
+                                std::to_string(kCvmmMaxBandGroups * group * BN) + " the scatter kernel counts tail tiles for");
   const auto kernel = a.phase_cycles ? cvmm_scatter_kernel<kTransW, true> : cvmm_scatter_kernel<kTransW, false>;
   launch_with_smem(kernel, dim3(unsigned(facts.multiprocessors)), kScatterThreads,
                    kScatterSmemBytes, stream, plan, a, group);

@@ -38,8 +38,14 @@ struct CvmmPlan {
   // weight gradient brings by tensor copies instead of gathering.
   bool in_by_position = false, out_by_position = false;
   int64_t positions = 0;
+  // The scatter kernel's counters of shared tail tiles (kernels/cvmm.cu), zero between its
+  // launches: one scatter on a plan at a time.
+  uint32_t* tail_counters = nullptr;  // [kCvmmMaxBandGroups + 1]
 };
 inline constexpr int kCvmmTileRows = 128;
+// Groups of 128-column bands the scatter kernel counts tail tiles for: outputs up to 8192
+// columns (16384 with two bands a group).
+inline constexpr int kCvmmMaxBandGroups = 64;
 
 // out[out_row] (+)= weight · X[in_row] · op(W_e). W holds [E, K, N] (op = identity) or
 // [E, N, K] (transposed: op(W_e) = W_eᵀ). weight may be null (ones).
@@ -133,6 +139,7 @@ void cvmm_weight_grad(const CvmmPlan& plan_a, const CvmmWeightGradArgs& a, const
 struct CvmmPlanBuffers {
   DeviceBuffer<int32_t> in_row, out_row, by_expert, tile_expert, tile_first, live_tiles, pair_tile, live_pairs;
   DeviceBuffer<int64_t> expert_begin;
+  DeviceBuffer<uint32_t> tail_counters;  // zeroed at creation (see CvmmPlan)
   int32_t tiles = 0;
   bool in_by_position = false, out_by_position = false;  // see CvmmPlan
   int64_t positions = 0;

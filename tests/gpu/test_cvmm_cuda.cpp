@@ -265,7 +265,8 @@ TEST_F(GpuTest, CvmmMatchesTheCpuReference) {
 
 // The scatter kernel's phase clock (moeut-bench-cvmm --phases): the product is the same with it,
 // every phase is clocked, and the items it counts are the plan's row tiles times the output's
-// bands (one band at a time: told its output has more rows than L2 holds).
+// bands (one band at a time: told its output has more rows than L2 holds), each once: its blocks
+// share their last tiles through the plan's counters, which each launch leaves zeroed.
 TEST_F(GpuTest, ScatterPhaseClockCountsEveryItem) {
   const Shape s{1024, 565, 24, 1536, 128, false, false};
   Rng rng(11);
@@ -307,6 +308,7 @@ TEST_F(GpuTest, ScatterPhaseClockCountsEveryItem) {
   for (int b = 0; b < blocks; ++b) sms.push_back(got[size_t(b) * P + cuda::kSm]);
   std::sort(sms.begin(), sms.end());
   EXPECT_EQ(std::unique(sms.begin(), sms.end()), sms.end()) << "multiprocessors named twice";
+  for (const uint32_t c : plan.tail_counters.download()) EXPECT_EQ(c, 0u) << "tail counters left for the next launch";
 }
 
 // Expert parallelism hands the planner selections whose expert lives on another rank (index
