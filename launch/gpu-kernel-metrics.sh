@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU host: memory and stall metrics of the expert kernels (Nsight Compute), at the 1B
 # shapes of moeut-bench-cvmm: where each product's bytes go (DRAM, L2 hits, L2 reductions) and
-# what its warps wait on. Usage: launch/gpu-kernel-metrics.sh [TOKENS]
+# what its warps wait on, and how unevenly its SMs are kept busy (the busiest SM's active cycles
+# over the average: a persistent kernel whose blocks end apart shows it, docs/PERFORMANCE.md v26).
+# Usage: launch/gpu-kernel-metrics.sh [TOKENS]
 # BIN (environment): the folder holding moeut-bench-cvmm and its source.txt (default build-gpu's;
 # a folder that launch/gpu-pack.sh filled works too).
 # Writes $OUT/kernel_metrics.csv (raw) and prints one line per product.
@@ -22,6 +24,7 @@ metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.
 metrics+=,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio
 metrics+=,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio
 metrics+=,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio
+metrics+=,sm__cycles_active.max,sm__cycles_active.avg
 # Each product runs once (no warm-up), with caches flushed before it.
 "$ncu" -k regex:cvmm_ --metrics "$metrics" --csv --cache-control all --clock-control none \
   --log-file "$out/kernel_metrics.csv" "$bench" "$tokens" 1 > "$out/kernel_metrics.log"
@@ -49,13 +52,17 @@ short = {"gpu__time_duration.sum": "us", "dram__bytes_read.sum": "dramRd", "dram
          "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": "stallLSB",
          "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio": "stallLG",
          "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": "stallBar"}
-print("product " + " ".join(f"{v:>9}" for v in short.values()))
+def busiest_over_average(m):
+    avg = m.get("sm__cycles_active.avg", 0.0)
+    return m.get("sm__cycles_active.max", float("nan")) / avg if avg > 0 else float("nan")
+print("product " + " ".join(f"{v:>9}" for v in short.values()) + f"{'SMmax/avg':>10}")
 for n, ((name, grid), ms) in enumerate(groups):
     vals = []
     for k in short:
         med = statistics.median(m.get(k, float("nan")) for m in ms)
         if k == "gpu__time_duration.sum": med /= 1e3  # ns -> us
         vals.append(f"{med:9.3g}")
+    vals.append(f"{statistics.median(busiest_over_average(m) for m in ms):10.3f}")
     print(f"{n} {name[:40]} grid {grid} x{len(ms)}")
     print("        " + " ".join(vals))
 EOF
