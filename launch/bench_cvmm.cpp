@@ -60,29 +60,25 @@ void report_phases(const char* name, const cuda::CvmmPlan& plan, const cuda::Cvm
   std::vector<double> total(P, 0.0);
   for (size_t i = 0; i < per_block.size(); ++i) total[i % P] += double(per_block[i]);
   const double items = total[cuda::kItems];
-  double slowest_loop = 0, most_items = 0, most_rows = 0;
-  size_t slowest = 0;
+  const double mean_loop = std::max(1.0, (total[cuda::kWaitTileFull] + total[cuda::kAdditions]) / blocks);
+  double most_items = 0, most_rows = 0;
+  std::vector<std::pair<double, size_t>> by_loop;  // (loop / average, block's first slot), slowest first
   for (size_t b = 0; b < per_block.size(); b += P) {
-    const double loop = double(per_block[b + cuda::kWaitTileFull] + per_block[b + cuda::kAdditions]);
-    if (loop > slowest_loop) slowest_loop = loop, slowest = b;
+    by_loop.emplace_back(double(per_block[b + cuda::kWaitTileFull] + per_block[b + cuda::kAdditions]) / mean_loop, b);
     most_items = std::max(most_items, double(per_block[b + cuda::kItems]));
     most_rows = std::max(most_rows, double(per_block[b + cuda::kRows]));
   }
-  const double mean_loop = (total[cuda::kWaitTileFull] + total[cuda::kAdditions]) / blocks;
-  std::printf("  %s: blocks' loops %.0f cycles on average, %.0f the slowest (%.3fx); run %.3f ms: %.0f MHz at the slowest\n",
-              name, mean_loop, slowest_loop, slowest_loop / std::max(1.0, mean_loop), clock.ms,
-              slowest_loop / (double(clock.ms) * 1e3));
-  std::printf("    a block's items: %.1f on average, %.0f the most, %llu the slowest's; rows: %.0f, %.0f, %llu\n",
-              total[cuda::kItems] / blocks, most_items, per_block[slowest + cuda::kItems], total[cuda::kRows] / blocks,
-              most_rows, per_block[slowest + cuda::kRows]);
-  std::vector<std::pair<double, unsigned long long>> by_loop;  // (loop / average, SM)
-  for (size_t b = 0; b < per_block.size(); b += P)
-    by_loop.emplace_back(double(per_block[b + cuda::kWaitTileFull] + per_block[b + cuda::kAdditions]) / mean_loop,
-                         per_block[b + cuda::kSm]);
   std::sort(by_loop.rbegin(), by_loop.rend());
+  const double slowest_loop = by_loop.front().first * mean_loop;
+  const size_t slowest = by_loop.front().second;
+  std::printf("  %s: blocks' loops %.0f cycles on average, %.0f the slowest (%.3fx); run %.3f ms: %.0f MHz at the slowest\n",
+              name, mean_loop, slowest_loop, by_loop.front().first, clock.ms, slowest_loop / (double(clock.ms) * 1e3));
+  std::printf("    a block's items: %.1f on average, %.0f the most, %llu the slowest's; rows: %.0f, %.0f, %llu\n",
+              items / blocks, most_items, per_block[slowest + cuda::kItems], total[cuda::kRows] / blocks, most_rows,
+              per_block[slowest + cuda::kRows]);
   std::printf("    slowest SMs (loop / average):");
   for (size_t i = 0; i < std::min<size_t>(10, by_loop.size()); ++i)
-    std::printf(" %llu (%.3f)", by_loop[i].second, by_loop[i].first);
+    std::printf(" %llu (%.3f)", per_block[by_loop[i].second + cuda::kSm], by_loop[i].first);
   std::printf("\n");
   auto multiplying = [](int p) { return p < cuda::kWaitTileFull; };
   double role_total[2] = {};  // multiplying, adding
