@@ -796,14 +796,18 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
   __syncthreads();
   const int64_t K = a.K, N = a.N;
   const int steps = int(K / BK), pairs = *plan.live_pairs;
-  const int my_pairs = int(blockIdx.x) < pairs ? (pairs - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
-  const int total_steps = my_pairs * steps;
-  // Pair j of this block: its expert, first position and live rows.
+  // The blocks take the pairs in order from the plan's counter (tail_counters[0]), each as it
+  // gets to them, so that they end together (a fixed deal left them apart as the scatter's were,
+  // docs/PERFORMANCE.md v26) and the blocks in flight still share their experts' weights in L2.
+  // The copying warps take pair j + 1 while they load pair j and tell the multiplying ones each
+  // pair's rows through pair_rows[j % 2] (-1: no pair j, the end), which the stage barrier of
+  // its first step covers.
+  __shared__ int pair_rows[2], pair_index[2];
   struct Pair {
     int expert, first, rows;
   };
-  auto pair_of = [&](int j) {
-    const int tile = plan.pair_tile[int(blockIdx.x) + j * int(gridDim.x)];
+  auto pair_at = [&](int index) {
+    const int tile = plan.pair_tile[index];
     Pair p{plan.tile_expert[tile], plan.tile_first[tile], 0};
     p.rows = int(min64(kGatherRows, plan.expert_begin[p.expert + 1] - p.first));
     return p;
@@ -821,10 +825,32 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
     const int kc = thread % kChunks, row0 = thread / kChunks, Kc = int(K);
     const uint32_t chunk_at = wgmma::swizzled_chunk(row0, kc);  // row row0 + i·kRowStride: + i·kRowStride·128
     int g = 0;  // steps issued
-    for (int j = 0; j < my_pairs; ++j) {
-      const Pair p = pair_of(j);
+    // Thread 0 takes pair j + 1 once pair j's copies are issued: its wait for the reply then falls
+    // where the copying warps wait for a free slot anyway.
+    if (thread == 0) pair_index[0] = int(atomicAdd(&plan.tail_counters[0], 1u));
+    for (int j = 0;; ++j) {
       TileRowsOf<kGatherRows>& sl = slot[j % 2];
       if (j >= 2) bar_sync(kSlotFree + j % 2, kGatherThreads);  // pair j - 2's outputs are stored
+      bar_sync(kSlotWritten, kGatherCopyThreads);  // pair j's index to every copying thread
+      const int index = pair_index[j % 2];
+      const int stage = g % kGatherStages;
+      if (index >= pairs) {
+        // The end: step g's stage, once free, completes with no copies, and pair_rows says -1.
+        // Then the arrivals the multiplying warps made for nobody yet: the last three steps'
+        // stages and pair j - 1's slot.
+        if (g >= kGatherStages) bar_sync(kStageEmpty + stage, kGatherThreads);
+        if (thread == 0) {
+          pair_rows[j % 2] = -1;
+          mbar_expect_tx(&full[stage], 0);
+        }
+        mbar_arrive_on_copies(&full[stage]);
+        for (int later = g + 1; later < g + kGatherStages; ++later)
+          if (later >= kGatherStages) bar_sync(kStageEmpty + later % kGatherStages, kGatherThreads);
+        if (j >= 1) bar_sync(kSlotFree + (j + 1) % 2, kGatherThreads);
+        break;
+      }
+      const Pair p = pair_at(index);
+      if (thread == 0) pair_rows[j % 2] = p.rows;
       look_up_rows(sl, plan, a.weight, p.first, p.rows, thread, kGatherCopyThreads);
       bar_sync(kSlotWritten, kGatherCopyThreads);  // every copying thread gathers rows another one looked up
       int32_t rows[kCopyRows];
@@ -849,6 +875,14 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
           cp_async16(as + chunk_at + i * kRowStride * 128, x + int64_t(max(rows[i], 0)) * Kc, rows[i] < 0 ? 0 : 16);
         mbar_arrive_on_copies(&full[stage]);
       }
+      if (thread == 0) pair_index[(j + 1) % 2] = int(atomicAdd(&plan.tail_counters[0], 1u));
+    }
+    // Every pair this block took has been answered (its index used), so no fence is needed before
+    // the count (and one would keep the products' float atomics waiting for their replies,
+    // docs/PERFORMANCE.md v26): the last block to finish zeroes the counters.
+    if (thread == 0 && atomicAdd(&plan.tail_counters[kCvmmMaxBandGroups], 1u) == gridDim.x - 1) {
+      plan.tail_counters[0] = 0;
+      plan.tail_counters[kCvmmMaxBandGroups] = 0;
     }
     return;
   }
@@ -860,8 +894,10 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
   using Relu = CvmmRowsArgs::Relu;
   const bool masked = a.relu == Relu::kMaskByDotRows;
   int g = 0;  // steps consumed
-  for (int j = 0; j < my_pairs; ++j) {
-    const int rows = pair_of(j).rows;
+  for (int j = 0;; ++j) {
+    mbar_wait(&full[g % kGatherStages], (g / kGatherStages) % 2);  // pair j's first step, or the end
+    const int rows = pair_rows[j % 2];
+    if (rows < 0) break;
     float acc[2][64];
 #pragma unroll
     for (auto& fragment : acc)
@@ -883,7 +919,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
         wgmma::commit();
         wgmma::wait<0>();
       }
-      if (g + kGatherStages < total_steps) bar_arrive(kStageEmpty + stage, kGatherThreads);
+      bar_arrive(kStageEmpty + stage, kGatherThreads);  // the copying warps sync every one, at the end too
     }
     // Outputs from the accumulators: a thread holds two rows per fragment (accumulator elements
     // e with e / 2 even and odd), two adjacent columns per element pair. The routing-weight
@@ -925,7 +961,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
         }
       }
     }
-    if (j + 2 < my_pairs) bar_arrive(kSlotFree + j % 2, kGatherThreads);
+    bar_arrive(kSlotFree + j % 2, kGatherThreads);
   }
 }
 
@@ -1406,6 +1442,7 @@ CUtensorMap weight_map(const CvmmRowsArgs& a) {
 
 template <bool kTransW>
 void launch_gather(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
+  if (!plan.tail_counters) throw std::invalid_argument("cvmm_rows: a gather on a plan without tail counters");
   launch_with_smem(cvmm_gather_kernel<kTransW>, dim3(unsigned(device_facts().multiprocessors)), kGatherThreads,
                    kGatherSmemBytes, stream, plan, a, weight_map(a));
 }

@@ -38,8 +38,9 @@ struct CvmmPlan {
   // weight gradient brings by tensor copies instead of gathering.
   bool in_by_position = false, out_by_position = false;
   int64_t positions = 0;
-  // The scatter kernel's counters of shared tail tiles (kernels/cvmm.cu), zero between its
-  // launches: one scatter on a plan at a time.
+  // The counters by which the scatter kernel's blocks share tail tiles and the gather kernel's
+  // take tile pairs (kernels/cvmm.cu), zero between launches: one scatter or gather on a plan at
+  // a time.
   uint32_t* tail_counters = nullptr;  // [kCvmmMaxBandGroups + 1]
 };
 inline constexpr int kCvmmTileRows = 128;

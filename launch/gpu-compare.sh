@@ -63,43 +63,36 @@ done
 echo "rounds $rounds"
 show_source "${dir_of[a]}"
 for v in "${variants[@]:1}"; do [ "${dir_of[$v]}" = "${dir_of[a]}" ] || show_source "${dir_of[$v]}"; done
-# At the end, however it ends: the figures that decide the A/B, one line a run, printed and in
-# $out/summary.txt; then the step logs folded into one file a kind (tests, cvmm, bench_1B), each
-# step under its "== NAME" line, as at most 8 files come back from the device.
-declare -A tests_of
+# Each step's figures go on one line of $out/summary.txt as soon as it ends, and its log is folded
+# into one file a kind (tests, cvmm, bench_1B) under its "== NAME" line: at most 8 files come back
+# from the device, and a call that runs past its limit is killed with no chance to tidy up.
 figures() {  # figures LOG: a benchmark's timings on one line
   sed -nE -e 's/^  ([A-Za-z]([A-Za-z0-9 ,]*[A-Za-z0-9])?)[ :[].* ([0-9.]+) ms.*/\1 \3/p' \
     -e 's/.*step ([0-9.]+) ms.*/step \1 ms/p' -e 's|^([0-9]+) tokens/s.*|\1 tokens/s|p' "$1" | paste -sd '|' | sed 's/|/ | /g'
 }
-finish() {
-  local v log kind
-  {
-    echo "summary"
-    for v in "${!tests_of[@]}"; do echo "tests $v: ${tests_of[$v]}"; done | sort
-    for log in "$out"/cvmm_*.log "$out"/bench_1B_*.log; do
-      [ -e "$log" ] && echo "$(basename "$log" .log | sed -E 's/_([a-h])_([0-9]+)$/ \1 \2/'): $(figures "$log")"
-    done
-  } > "$out/summary.txt"
-  cat "$out/summary.txt"
-  for kind in tests cvmm bench_1B; do
-    for log in "$out/${kind}"_*.log; do
-      [ -e "$log" ] || continue
-      { echo "== $(basename "$log" .log)"; cat "$log"; } >> "$out/$kind.log"
-      rm "$log"
-    done
-  done
+# compare_step NAME COMMAND...: step, then its summary line and its log folded into its kind's file.
+compare_step() {
+  local name=$1 before=$failed log="$out/$1.log" kind
+  step "$@"
+  kind=$(sed -E 's/_[a-h](_[0-9]+)?$//' <<< "$name")
+  if [ "$kind" = tests ]; then
+    echo "$name: $([ "$failed" -eq "$before" ] && echo passed || echo failed)" >> "$out/summary.txt"
+  else
+    echo "$(sed -E 's/_([a-h])_([0-9]+)$/ \1 \2/' <<< "$name"): $(figures "$log")" >> "$out/summary.txt"
+  fi
+  { echo "== $name"; cat "$log"; } >> "$out/$kind.log"
+  rm "$log"
 }
 rm -f "$out/summary.txt" "$out/tests.log" "$out/cvmm.log" "$out/bench_1B.log"  # a previous run's, where $OUT is kept
-trap finish EXIT
+trap 'echo; cat "$out/summary.txt" 2>/dev/null' EXIT
 # A variant that fails its tests (or hangs in them: a kernel that deadlocks) is not timed.
 timed=(a)
 for v in "${variants[@]:1}"; do
   before=$failed
-  step "tests_$v" variant "$v" moeut_gpu_tests --gtest_filter="$filter"
+  compare_step "tests_$v" variant "$v" moeut_gpu_tests --gtest_filter="$filter"
   if [ "$failed" -eq "$before" ]; then
-    timed+=("$v") tests_of[$v]=passed
+    timed+=("$v")
   else
-    tests_of[$v]=failed
     echo "tests of ${v^^} failed: no benchmarks of ${v^^}"
   fi
 done
@@ -109,7 +102,7 @@ done
 alternate() {
   local name=$1 r v; shift
   for r in $(seq "$rounds"); do
-    for v in "${timed[@]}"; do step "${name}_${v}_$r" variant "$v" "$@"; done
+    for v in "${timed[@]}"; do compare_step "${name}_${v}_$r" variant "$v" "$@"; done
   done
 }
 [[ $benches == *" cvmm "* ]] && alternate cvmm moeut-bench-cvmm 16384

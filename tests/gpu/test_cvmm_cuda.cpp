@@ -251,6 +251,10 @@ void check(const Shape& s) {
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "up, weighted: routing-weight gradient";
   }
   MOEUT_CUDA_CHECK(cudaDeviceSynchronize());
+  // The gathers take tile pairs and the scatters tail tiles from the plans' counters, which each
+  // launch must leave zeroed for the next (the products above run several on each plan).
+  for (const cuda::DeviceCvmmPlan* plan : {&plan_up, &plan_down})
+    for (const uint32_t c : plan->tail_counters.download()) EXPECT_EQ(c, 0u) << "tail counters left for the next launch";
 }
 
 TEST_F(GpuTest, CvmmMatchesTheCpuReference) {
