@@ -131,15 +131,16 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 }
 
 // One warp per row, rows strided over the grid, V columns per lane at a time. As in the forward
-// kernel, a lane keeps its first kBackwardRegisterChunks chunks of the row's gradient and input in
-// registers, so both are read from memory once, all of a lane's loads in flight together. Each
+// kernel, a lane keeps its first kBackwardRegisterChunks chunks of the row's gradient, input and
+// dx (which it adds into) in registers, all of a lane's loads in flight together: dx read in the
+// second pass, behind that pass's stores, waited on each chunk's load in turn. Each
 // warp adds its rows' parameter gradients into its own slice of shared memory (lanes own their
 // columns, so no atomics), and the block adds the slices into the global gradients once. out,
 // when not null, receives the forward's output again (normalized, as the forward kernel), its
 // operands read in the second pass anyway.
 constexpr int kBackwardRegisterChunks = 12;
 template <int V>
-__global__ void __launch_bounds__(kBackwardWarps * 32, 3)
+__global__ void __launch_bounds__(kBackwardWarps * 32, 2)
     layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, float* dw, float* db,
                               const float* dout, const float* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
                               const float* mean, const float* rstd, int64_t n, int d) {
@@ -153,21 +154,23 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, 3)
   for (int64_t row = int64_t(blockIdx.x) * kBackwardWarps + warp; row < n; row += int64_t(gridDim.x) * kBackwardWarps) {
     const float* xr = x + row * d;
     const float* gr = dout + row * d;
-    Cols<V> g_held[kBackwardRegisterChunks], x_held[kBackwardRegisterChunks];
+    Cols<V> g_held[kBackwardRegisterChunks], x_held[kBackwardRegisterChunks], dx_held[kBackwardRegisterChunks];
 #pragma unroll
     for (int c = 0; c < kBackwardRegisterChunks; ++c)
-      if (const int i = lane * V + c * kStride; i < d) g_held[c] = load_cols<V>(gr + i), x_held[c] = load_cols<V>(xr + i);
-    // f(i, gradient, input) over this lane's chunks in column order: the held ones, then those
+      if (const int i = lane * V + c * kStride; i < d)
+        g_held[c] = load_cols<V>(gr + i), x_held[c] = load_cols<V>(xr + i), dx_held[c] = load_cols<V>(dx + row * d + i);
+    // f(i, gradient, input, dx) over this lane's chunks in column order: the held ones, then those
     // read again.
     auto each_chunk = [&](auto f) {
 #pragma unroll
       for (int c = 0; c < kBackwardRegisterChunks; ++c)
-        if (const int i = lane * V + c * kStride; i < d) f(i, g_held[c], x_held[c]);
-      for (int i = kHeld + lane * V; i < d; i += kStride) f(i, load_cols<V>(gr + i), load_cols<V>(xr + i));
+        if (const int i = lane * V + c * kStride; i < d) f(i, g_held[c], x_held[c], dx_held[c]);
+      for (int i = kHeld + lane * V; i < d; i += kStride)
+        f(i, load_cols<V>(gr + i), load_cols<V>(xr + i), load_cols<V>(dx + row * d + i));
     };
     const float mu = mean[row], rs = rstd[row];
     float g_mean = 0.f, gx_mean = 0.f;
-    each_chunk([&](int i, const Cols<V>& gv, const Cols<V>& xv) {
+    each_chunk([&](int i, const Cols<V>& gv, const Cols<V>& xv, const Cols<V>&) {
       const Cols<V> wv = load_cols<V>(w + i);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
@@ -178,9 +181,9 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, 3)
     });
     g_mean = warp_sum(g_mean) / float(d);
     gx_mean = warp_sum(gx_mean) / float(d);
-    each_chunk([&](int i, const Cols<V>& gv, const Cols<V>& xv) {
+    each_chunk([&](int i, const Cols<V>& gv, const Cols<V>& xv, Cols<V> dxv) {
       const Cols<V> wv = load_cols<V>(w + i);
-      Cols<V> dxv = load_cols<V>(dx + row * d + i), dwv = load_cols<V>(dw_acc + i), dbv = load_cols<V>(db_acc + i);
+      Cols<V> dwv = load_cols<V>(dw_acc + i), dbv = load_cols<V>(db_acc + i);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const float xhat = (xv.v[k] - mu) * rs;
