@@ -76,7 +76,7 @@ compare_step() {
   step "$@"
   kind=$(sed -E 's/_[a-h](_[0-9]+)?$//' <<< "$name")
   if [ "$kind" = tests ]; then
-    echo "$name: $([ "$failed" -eq "$before" ] && echo passed || echo failed)" >> "$out/summary.txt"
+    echo "tests ${name#tests_}: $([ "$failed" -eq "$before" ] && echo passed || echo failed)" >> "$out/summary.txt"
   else
     echo "$(sed -E 's/_([a-h])_([0-9]+)$/ \1 \2/' <<< "$name"): $(figures "$log")" >> "$out/summary.txt"
   fi

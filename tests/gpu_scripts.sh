@@ -8,7 +8,8 @@
 # - with three variants and a filter, the one whose tests fail is left out of the benchmarks
 #   and the others run;
 # - the step logs come folded into one file a kind, and summary.txt holds each run's timings
-#   (the device tool brings back 8 files at most).
+#   (the device tool brings back 8 files at most), each as its step ends: a call killed at the
+#   device's limit keeps what ran before.
 # Usage: gpu_scripts.sh WORK_DIR
 set -euo pipefail
 work=$1
@@ -74,4 +75,20 @@ grep -q "ran $work/build/tests/moeut_gpu_tests --gtest_filter=\*Pairs\*" <<< "$o
 grep -q "^== bench_1B_a_1" "$work/out4/bench_1B.log" && grep -q "^== cvmm_b_1" "$work/out4/cvmm.log" &&
   grep -q "^== bench_1B_b_1" "$work/out4/bench_1B.log" || fail "three variants: A and B not benchmarked ($(ls "$work/out4"))"
 ! grep -q "_c_" "$work/out4/bench_1B.log" "$work/out4/cvmm.log" || fail "three variants: C benchmarked after its tests failed"
-echo "gpu-compare.sh: folders, --env, time limit, three variants, folded logs and summary: ok"
+# Killed (as the device tool kills a call past its limit) while B's 1B benchmark runs: the steps
+# before it are in the summary and the folded logs (the one it was in stays as its own log).
+mkdir -p "$work/slow" && cp "$work/pack/moeut_gpu_tests" "$work/pack/moeut-bench-cvmm" "$work/slow/"
+stand_in "$work/slow" moeut-bench "sleep 30"
+OUT="$work/out5" ROUNDS=1 "$root/launch/gpu-compare.sh" "$work/pack" "$work/slow" > /dev/null 2>&1 &
+killed=$!
+for _ in $(seq 100); do grep -qs "^bench_1B a 1:" "$work/out5/summary.txt" && break; sleep 0.1; done
+sleep 0.5
+kill -KILL -- "$killed" 2> /dev/null || true
+wait "$killed" 2> /dev/null || true
+pkill -KILL -f "$work/slow/moeut-bench" 2> /dev/null || true
+grep -qx "tests b: passed" "$work/out5/summary.txt" && grep -qx "cvmm b 1: o dX 0.222 | v 0.221" "$work/out5/summary.txt" &&
+  grep -qx "bench_1B a 1: step 341.1 ms | 48031 tokens/s" "$work/out5/summary.txt" ||
+  fail "killed: the finished steps not in the summary ($(cat "$work/out5/summary.txt" 2> /dev/null))"
+grep -q "^== cvmm_b_1" "$work/out5/cvmm.log" && grep -q "^== bench_1B_a_1" "$work/out5/bench_1B.log" ||
+  fail "killed: the finished steps' logs not folded ($(ls "$work/out5"))"
+echo "gpu-compare.sh: folders, --env, time limit, three variants, folded logs and summary, a killed call: ok"
