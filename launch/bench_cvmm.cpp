@@ -1,7 +1,8 @@
 // moeut-bench-cvmm: TFLOP/s of the CUDA expert kernels at the 1B profile's shapes (the FFN experts:
 // 565 experts, top-24, d 1536, expert size 128; the attention value and output experts: 6 heads x
 // 12 experts, top-2 per head) beside the bf16 matrix-product peak measured by cuBLAS in the same
-// run. Usage: moeut-bench-cvmm [TOKENS [REPS]] [--phases]; REPS 1 runs each
+// run, and the FFN backward's products on two streams as the model runs them. Usage:
+// moeut-bench-cvmm [TOKENS [REPS]] [--phases]; REPS 1 runs each
 // product once with no warm-up (for a profiler); --phases adds, for each product on the scatter
 // kernel, the clock cycles an item spends in each of its phases (CvmmRowsArgs::phase_cycles).
 #include <cublas_v2.h>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/side_stream.h"
 #include "kernels/cvmm_cuda.h"
 #include "launch/bench_routing.h"
 #include "launch/cuda_timing.h"
@@ -128,6 +130,23 @@ void ffn_products(int64_t tokens, double peak, int reps, bool phases, Rng& rng) 
       {"down dW, two uses", [&] { cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, pd.view(), {H2.get(), dY2.get(), gw.get(), true, dWv.get(), es, d, E}, 0); }},
       {"up dW, two uses", [&] { cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, pu.view(), {X2.get(), dH2.get(), nullptr, true, dWk.get(), d, es, E}, 0); }},
   }, 4.0 * double(sels) * double(d) * double(es), peak, reps);
+  // The FFN backward as GpuModel runs it (core/gpu_model.cu): each weight gradient (two uses) on a
+  // side stream, forked just before the input gradient that shares its inputs, so the persistent
+  // input-gradient kernels start on the SMs the weight gradients leave them. Against the sum of
+  // the same products alone above: what the overlap saves, and whether a kernel's blocks are
+  // dealt their work for SMs they do not all get at once.
+  SideStream side(nullptr);
+  std::printf("FFN backward, the weight gradients on a side stream beside the input gradients:\n");
+  report({
+      {"down dX, up dX beside dW two uses", [&] {
+         side.fork();
+         cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, pd.view(), {H2.get(), dY2.get(), gw.get(), true, dWv.get(), es, d, E}, side.get());
+         cuda::cvmm_rows(pd.view(true), {dY.get(), Wv.get(), gw.get(), Hout.get(), nullptr, dwf.get(), H.get(), d, es, true, false}, 0);
+         side.fork();
+         cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, pu.view(), {X2.get(), dH2.get(), nullptr, true, dWk.get(), d, es, E}, side.get());
+         cuda::cvmm_rows(pu.view(true), up_dx_args, 0);
+         side.join(); }},
+  }, 12.0 * double(sels) * double(d) * double(es), peak, reps);
 }
 
 // The attention value and output experts: 6 heads with 12 experts each, top-2 per head, d 1536,
