@@ -2,9 +2,11 @@
 // 565 experts, top-24, d 1536, expert size 128; the attention value and output experts: 6 heads x
 // 12 experts, top-2 per head) beside the bf16 matrix-product peak measured by cuBLAS in the same
 // run, and the FFN backward's products on two streams as the model runs them. Usage:
-// moeut-bench-cvmm [TOKENS [REPS]] [--phases]; REPS 1 runs each
-// product once with no warm-up (for a profiler); --phases adds, for each product on the scatter
-// kernel, the clock cycles an item spends in each of its phases (CvmmRowsArgs::phase_cycles).
+// moeut-bench-cvmm [TOKENS [REPS]] [--phases] [--random-routing]; REPS 1 runs each product once
+// with no warm-up (for a profiler); --phases adds, for each product on the scatter kernel, the
+// clock cycles an item spends in each of its phases (CvmmRowsArgs::phase_cycles);
+// --random-routing draws each token's experts at random instead of at a fixed stride
+// (launch/bench_routing.h): the experts' rows then vary as under a router with random weights.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -91,10 +93,10 @@ void report_phases(const char* name, const cuda::CvmmPlan& plan, const cuda::Cvm
                 items > 0 ? total[p] / items : 0.0, 100.0 * total[p] / std::max(1.0, role_total[multiplying(p) ? 0 : 1]));
 }
 
-// The FFN experts: 565 experts, top-24, d 1536, expert size 128, uniform routing.
-void ffn_products(int64_t tokens, double peak, int reps, bool phases, Rng& rng) {
+// The FFN experts: 565 experts, top-24, d 1536, expert size 128.
+void ffn_products(int64_t tokens, double peak, int reps, bool phases, bool random_routing, Rng& rng) {
   const int64_t E = bench::kFfnExperts, k = bench::kFfnTopK, d = 1536, es = 128, sels = tokens * k;
-  const CvmmSelection up = bench::uniform_ffn_routing(tokens);
+  const CvmmSelection up = bench::ffn_routing(tokens, random_routing ? &rng : nullptr);
   std::vector<float> w(static_cast<size_t>(sels));
   for (float& x : w) x = float(rng.uniform());
   CvmmSelection down = up;
@@ -150,21 +152,24 @@ void ffn_products(int64_t tokens, double peak, int reps, bool phases, Rng& rng) 
 }
 
 // The attention value and output experts: 6 heads with 12 experts each, top-2 per head, d 1536,
-// head size 128, uniform routing; the calls of GpuModel (core/gpu_model.cu).
-void attention_products(int64_t tokens, double peak, int reps, bool phases, Rng& rng) {
+// head size 128; the calls of GpuModel (core/gpu_model.cu).
+void attention_products(int64_t tokens, double peak, int reps, bool phases, bool random_routing, Rng& rng) {
   const int64_t H = 6, Ea = 12, ka = 2, d = 1536, dh = 128, sels = tokens * H * ka, E = H * Ea;
   CvmmSelection v;  // in: token row; out: (token, head) row
   v.resize(sels);
   std::vector<float> w(static_cast<size_t>(sels));
   for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t j = 0; j < ka; ++j) {  // two distinct experts of the head's twelve
+    for (int64_t h = 0; h < H; ++h) {
+      int32_t drawn[ka];  // two distinct experts of the head's twelve
+      if (random_routing) bench::random_distinct_experts(drawn, Ea, ka, rng);
+      for (int64_t j = 0; j < ka; ++j) {
         const int64_t i = (t * H + h) * ka + j;
-        v.expert[i] = int32_t(h * Ea + (t * 5 + h * 7 + j * 5) % Ea);
+        v.expert[i] = int32_t(h * Ea + (random_routing ? drawn[j] : (t * 5 + h * 7 + j * 5) % Ea));
         v.in_row[i] = int32_t(t);
         v.out_row[i] = int32_t(t * H + h);
         w[i] = float(rng.uniform());
       }
+    }
   v.group(E);
   CvmmSelection o = v;  // in: (token, head) row; out: token row
   for (int64_t i = 0; i < sels; ++i) o.in_row[i] = v.out_row[i], o.out_row[i] = v.in_row[i];
@@ -202,17 +207,22 @@ void attention_products(int64_t tokens, double peak, int reps, bool phases, Rng&
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  const auto flag = std::find(args.begin(), args.end(), "--phases");
-  const bool phases = flag != args.end();
-  if (phases) args.erase(flag);
+  auto take_flag = [&](const char* name) {
+    const auto flag = std::find(args.begin(), args.end(), name);
+    if (flag == args.end()) return false;
+    args.erase(flag);
+    return true;
+  };
+  const bool phases = take_flag("--phases"), random_routing = take_flag("--random-routing");
   try {
     const int64_t tokens = args.size() > 0 ? std::stoll(args[0]) : 16384;
     const int reps = args.size() > 1 ? std::stoi(args[1]) : 20;
     const double peak = bench::cublas_peak_tflops();
     std::printf("bf16 peak (cuBLAS 8192^3): %.1f TFLOP/s\n", peak);
     Rng rng(1);
-    ffn_products(tokens, peak, reps, phases, rng);
-    attention_products(tokens, peak, reps, phases, rng);
+    if (random_routing) std::printf("routing: each token's experts drawn at random\n");
+    ffn_products(tokens, peak, reps, phases, random_routing, rng);
+    attention_products(tokens, peak, reps, phases, random_routing, rng);
     MOEUT_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moeut-bench-cvmm: error: %s\n", e.what());

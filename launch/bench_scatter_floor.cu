@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) add_tiles(Out<kAdd>* out, const int3
 int main(int argc, char** argv) {
   using namespace moeut;
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 16384;
-  const CvmmSelection sel = bench::uniform_ffn_routing(tokens);
+  const CvmmSelection sel = bench::ffn_routing(tokens, nullptr);
   std::vector<int32_t> rows;  // each expert's token rows, its last tile padded with its first row
   for (int64_t e = 0; e < bench::kFfnExperts; ++e)
     for (int64_t p = sel.expert_begin[e]; p < sel.expert_begin[e + 1]; p += kTile)

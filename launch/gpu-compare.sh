@@ -10,7 +10,8 @@
 # (default '*Cvmm*:*Plan*:*Model*'). Several variants in one call (a series of commits, say) share
 # the machine's start and its warm-up. ROUNDS (environment): alternations (default 2). BENCHES
 # (environment): which benchmarks, of "cvmm 1B" (the default; "1B" alone saves about two minutes
-# of device time when the expert kernels did not change). STEP_LIMIT (environment): seconds each
+# of device time when the expert kernels did not change). CVMM_ARGS (environment): more arguments
+# for moeut-bench-cvmm (--random-routing, say). STEP_LIMIT (environment): seconds each
 # program may run (default 300). A variant whose tests fail is not benchmarked. Logs under $OUT:
 # summary.txt (tests passed or failed, and each run's timings on one line) and one log a kind.
 # Exit status: failed steps.
@@ -105,6 +106,7 @@ alternate() {
     for v in "${timed[@]}"; do compare_step "${name}_${v}_$r" variant "$v" "$@"; done
   done
 }
-[[ $benches == *" cvmm "* ]] && alternate cvmm moeut-bench-cvmm 16384
+read -r -a cvmm_args <<< "${CVMM_ARGS:-}"
+[[ $benches == *" cvmm "* ]] && alternate cvmm moeut-bench-cvmm 16384 "${cvmm_args[@]}"
 [[ $benches == *" 1B "* ]] && alternate bench_1B moeut-bench --config "$root/configs/1B.cfg" --batch 16
 exit $failed

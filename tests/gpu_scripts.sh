@@ -3,7 +3,7 @@
 # from which folder and with which variable, is checked where CI runs: a broken script costs a
 # call of the scarce device time. Checks:
 # - both folder layouts (a build folder: launch/, tests/; a pack: the programs at its top);
-# - the --env form sets the variable for A only;
+# - the --env form sets the variable for A only; CVMM_ARGS reach the kernel benchmark;
 # - a program that hangs ends at STEP_LIMIT, and no benchmark runs after B's tests fail;
 # - with three variants and a filter, the one whose tests fail is left out of the benchmarks
 #   and the others run;
@@ -37,10 +37,11 @@ echo "stand-in" > "$work/pack/source.txt"
 mkdir -p "$work/path" && stand_in "$work/path" nvidia-smi
 export PATH="$work/path:$PATH"
 
-out=$(OUT="$work/out1" ROUNDS=1 "$root/launch/gpu-compare.sh" "$work/pack" "$work/build" 2>&1) ||
+out=$(OUT="$work/out1" ROUNDS=1 CVMM_ARGS="--random-routing" "$root/launch/gpu-compare.sh" "$work/pack" "$work/build" 2>&1) ||
   fail "two folders: exit status $? ($out)"
 grep -q "ran $work/build/tests/moeut_gpu_tests --gtest_filter=" <<< "$out" || fail "B's tests not from build/tests"
-grep -q "ran $work/pack/moeut-bench-cvmm 16384" <<< "$out" || fail "A's kernel benchmark not from the pack"
+grep -q "ran $work/pack/moeut-bench-cvmm 16384 --random-routing" <<< "$out" ||
+  fail "A's kernel benchmark not from the pack, or without CVMM_ARGS"
 grep -q "ran $work/build/launch/moeut-bench --config $root/configs/1B.cfg --batch 16" <<< "$out" ||
   fail "B's 1B benchmark not from build/launch"
 [ "$(ls "$work/out1")" = "$(printf 'bench_1B.log\ncvmm.log\nsummary.txt\ntests.log')" ] || fail "logs not folded ($(ls "$work/out1"))"
