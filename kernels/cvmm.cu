@@ -797,8 +797,9 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
   const int64_t K = a.K, N = a.N;
   const int steps = int(K / BK), pairs = *plan.live_pairs;
   // The blocks take the pairs in order from the plan's counter (tail_counters[0]), each as it
-  // gets to them, so that they end together (a fixed deal left them apart as the scatter's were,
-  // docs/PERFORMANCE.md v26) and the blocks in flight still share their experts' weights in L2.
+  // gets to them, so that they end together however late each starts and whatever its pairs
+  // cost (a fixed round-robin deal ran the 1B step 3.5-4 ms slower, docs/PERFORMANCE.md v27),
+  // and the blocks in flight still share their experts' weights in L2.
   // The copying warps take pair j + 1 while they load pair j and tell the multiplying ones each
   // pair's rows through pair_rows[j % 2] (-1: no pair j, the end), which the stage barrier of
   // its first step covers.
