@@ -421,9 +421,20 @@ struct PhaseClock {
 // The shared tail: in each group of bands the last kTailTilesPerBlock · blocks row tiles are not
 // split in advance but taken one at a time from the plan's counter of that group by whichever
 // blocks get there first, as the blocks end 3-5% apart from the SMs' speed alone
-// (docs/PERFORMANCE.md v26). The plan's tail_counters[kCvmmMaxBandGroups] counts the finished
-// blocks; the last one zeroes them all for the next launch.
+// (docs/PERFORMANCE.md v26).
 constexpr int kTailTilesPerBlock = 2;
+
+// Called by one thread of each block once the block is done with the plan's counters (every
+// atomic it sent them answered and its value used, so no fence is needed before the count; a
+// fence here made ptxas keep the kernels' float atomics as ATOMG, each waiting for its reply: 3x
+// slower, docs/PERFORMANCE.md v26): the launch's last block zeroes the first `used` counters
+// and the count of finished blocks, tail_counters[kCvmmMaxBandGroups], for the next launch.
+__device__ __forceinline__ void release_tail_counters(const CvmmPlan& plan, int used) {
+  if (atomicAdd(&plan.tail_counters[kCvmmMaxBandGroups], 1u) == gridDim.x - 1) {
+    for (int g = 0; g < used; ++g) plan.tail_counters[g] = 0;
+    plan.tail_counters[kCvmmMaxBandGroups] = 0;
+  }
+}
 
 template <bool kTransW, bool kClock>
 __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPlan plan, CvmmRowsArgs a, int group) {
@@ -665,15 +676,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     answer();
   }
   cp_async_wait<0>();
-  // Every ask of this block has been answered (its value used), so no fence is needed before the
-  // count: the last block to finish zeroes the counters. (A fence here also made ptxas keep the
-  // adding warps' atomics as ATOMG, waiting for each one's reply: 3x slower, PERFORMANCE v26.)
-  if (r == 0) {
-    if (atomicAdd(&plan.tail_counters[kCvmmMaxBandGroups], 1u) == gridDim.x - 1) {
-      for (int g = 0; g < band_groups; ++g) plan.tail_counters[g] = 0;
-      plan.tail_counters[kCvmmMaxBandGroups] = 0;
-    }
-  }
+  if (r == 0) release_tail_counters(plan, band_groups);  // every ask answered
   if (kClock && threadIdx.x == 0) {
     clock.add_into(block_slots, kWaitOperands, kDweight + 1);
     clock.add_into(block_slots, kItems, kItems + 1);
@@ -878,13 +881,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
       }
       if (thread == 0) pair_index[(j + 1) % 2] = int(atomicAdd(&plan.tail_counters[0], 1u));
     }
-    // Every pair this block took has been answered (its index used), so no fence is needed before
-    // the count (and one would keep the products' float atomics waiting for their replies,
-    // docs/PERFORMANCE.md v26): the last block to finish zeroes the counters.
-    if (thread == 0 && atomicAdd(&plan.tail_counters[kCvmmMaxBandGroups], 1u) == gridDim.x - 1) {
-      plan.tail_counters[0] = 0;
-      plan.tail_counters[kCvmmMaxBandGroups] = 0;
-    }
+    if (thread == 0) release_tail_counters(plan, 1);  // every pair taken answered
     return;
   }
 
@@ -1393,7 +1390,6 @@ void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t st
   // against two: 16k tokens (16 MB a pair) down 1.208 / 1.151, up dX 1.234 / 1.136; 32k tokens
   // (34 MB) down 3.028 / 3.456, up dX 3.004 / 3.455, o 1.289 / 1.652 (docs/PERFORMANCE.md v14).
   const int group = 2 * BN * sizeof(float) * a.out_rows <= int64_t(facts.l2_bytes) / 2 ? 2 : 1;
-  if (!plan.tail_counters) throw std::invalid_argument("cvmm_rows: a scatter on a plan without tail counters");
   if ((a.N + group * BN - 1) / (group * BN) > kCvmmMaxBandGroups)
     throw std::invalid_argument("cvmm_rows: a scatter over " + std::to_string(a.N) + " columns exceeds the " +
                                 std::to_string(kCvmmMaxBandGroups * group * BN) + " the scatter kernel counts tail tiles for");
@@ -1443,7 +1439,6 @@ CUtensorMap weight_map(const CvmmRowsArgs& a) {
 
 template <bool kTransW>
 void launch_gather(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
-  if (!plan.tail_counters) throw std::invalid_argument("cvmm_rows: a gather on a plan without tail counters");
   launch_with_smem(cvmm_gather_kernel<kTransW>, dim3(unsigned(device_facts().multiprocessors)), kGatherThreads,
                    kGatherSmemBytes, stream, plan, a, weight_map(a));
 }
@@ -1485,6 +1480,9 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
   const bool gather = a.N == BN && a.K % BK == 0 && vectorizable(a.X, a.K) &&
                       (a.accumulate ? rows_addable(a.out_f32, a.N, a.N) : vectorizable(a.out, a.N)) &&
                       (!a.dot_rows || vectorizable(a.dot_rows, a.N)) && vectorizable(a.W, a.K);
+  if ((scatter || gather) && !plan.tail_counters)
+    throw std::invalid_argument(std::string("cvmm_rows: a ") + (scatter ? "scatter" : "gather") +
+                                " on a plan without tail counters");
   if (scatter) {
     if (a.transpose_w) launch_scatter<true>(plan, a, stream);
     else launch_scatter<false>(plan, a, stream);

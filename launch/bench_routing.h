@@ -7,8 +7,8 @@
 // reads token row t and writes the row of its position in expert order, as the model's hidden
 // rows are stored; grouped.
 #pragma once
+#include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "core/rng.h"
 #include "kernels/cvmm.h"
@@ -36,10 +36,9 @@ inline CvmmSelection ffn_routing(int64_t tokens, Rng* rng) {
   for (int64_t t = 0; t < tokens; ++t) {
     int32_t* const experts = sel.expert.data() + t * kFfnTopK;
     if (rng) random_distinct_experts(experts, kFfnExperts, kFfnTopK, *rng);
-    for (int64_t j = 0; j < kFfnTopK; ++j) {
-      if (!rng) experts[j] = int32_t((t * 7919 + j * 23) % kFfnExperts);
-      sel.in_row[size_t(t * kFfnTopK + j)] = int32_t(t);
-    }
+    else
+      for (int64_t j = 0; j < kFfnTopK; ++j) experts[j] = int32_t((t * 7919 + j * 23) % kFfnExperts);
+    std::fill_n(sel.in_row.begin() + t * kFfnTopK, kFfnTopK, int32_t(t));
   }
   sel.group(kFfnExperts);
   for (int64_t i = 0; i < sel.size(); ++i) sel.out_row[size_t(i)] = sel.position[size_t(i)];
