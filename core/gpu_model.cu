@@ -59,7 +59,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   if (own_stream_) MOEUT_CUDA_CHECK(cudaStreamCreate(&stream_));
   check_cublas(cublasCreate(&cublas_), "cublasCreate");
   check_cublas(cublasSetStream(cublas_, stream_), "cublasSetStream");
-  weight_grads_ = std::make_unique<SideStream>(stream_);
+  side_ = std::make_unique<SideStream>(stream_);
   const int64_t T = cfg_.context, N = batch * T, d = cfg_.d_model, H = cfg_.n_heads;
   const int64_t hd = H * cfg_.d_head, he = H * cfg_.att_n_experts, hk = H * cfg_.att_k;
   const int64_t Ef = layout_.shard().count, kf = cfg_.ff_k, total = layout_.total();
@@ -246,7 +246,7 @@ const bf16* GpuModel::router_weight(const std::string& weight) const {
   return copy != padded_router_at_.end() ? copy->second.first : wparam(weight);
 }
 
-void GpuModel::route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers) {
+void GpuModel::route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers, bool beside) {
   int64_t out = 0;
   for (const Routing& r : routers) out += r.groups * r.E;
   const int64_t N = B_ * cfg_.context, ld = router_ld(out);
@@ -257,9 +257,11 @@ void GpuModel::route(const bf16* x, const std::string& weight, std::initializer_
   mark(Part::kDense);
   dense(x, weight, N, ld, 1.f, logits, CUDA_R_32F, ld, router_weight(weight));
   mark(Part::kRouting);
+  if (beside) side_->fork();
+  cudaStream_t const stream = beside ? side_->get() : stream_;
   int64_t column = 0;
   for (const Routing& r : routers) {
-    cuda::topk_sigmoid_forward(r.index, r.w, logits + column, N, r.groups, r.E, r.k, stream_, ld, direct ? nullptr : r.z);
+    cuda::topk_sigmoid_forward(r.index, r.w, logits + column, N, r.groups, r.E, r.k, stream, ld, direct ? nullptr : r.z);
     column += r.groups * r.E;
   }
 }
@@ -275,6 +277,12 @@ void GpuModel::attention_forward(int64_t l) {
   // experts add into it).
   cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
                           d, stream_, xb_.get(), L.x_mid.get());
+  // The value and output routers (adjacent in the layout) in one product. Their top-ks and plans,
+  // small kernels bound by latency, run on the side stream beside q, k and RoPE.
+  route(xn_.get(), p + "attention.sel_v",
+        {{H, Ea, ka, L.zv.get(), L.iv.get(), L.wv.get()}, {H, Ea, ka, L.zo.get(), L.io.get(), L.wo.get()}}, true);
+  planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, side_->get());
+  planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, side_->get());
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
   dense(xn_.get(), p + "attention.q.weight", N, hd, s, L.q.get(), CUDA_R_16BF);
@@ -282,12 +290,8 @@ void GpuModel::attention_forward(int64_t l) {
   mark(Part::kAttention);
   cuda::rope_forward(L.q.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
   cuda::rope_forward(L.k.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
-  // The value and output routers (adjacent in the layout) in one product.
-  route(xn_.get(), p + "attention.sel_v", {{H, Ea, ka, L.zv.get(), L.iv.get(), L.wv.get()},
-                                           {H, Ea, ka, L.zo.get(), L.io.get(), L.wo.get()}});
   mark(Part::kExperts);
-  planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, stream_);
-  planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, stream_);
+  side_->join();
   cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()), {xb_.get(), wparam(p + "attention.v"), nullptr, L.v_sel.get(),
                                                          nullptr, nullptr, nullptr, d, dh, false, false}, stream_);
   cuda::cvmm_sum_selections(v_.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
@@ -524,12 +528,12 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
   // the same product's plan and arguments for the deferred use U.
   auto weight_grad = [&](const cuda::CvmmPlan& plan, const cuda::CvmmWeightGradArgs& a, auto deferred) {
     if (turn == WeightGradTurn::kDefer) return;
-    weight_grads_->fork();
+    side_->fork();
     if (turn == WeightGradTurn::kAlone) {
-      cuda::cvmm_weight_grad(plan, a, weight_grads_->get());
+      cuda::cvmm_weight_grad(plan, a, side_->get());
     } else {
       const auto [deferred_plan, deferred_args] = deferred(layers_[l + G], expert_rows(l + G));
-      cuda::cvmm_weight_grad(deferred_plan, deferred_args, plan, a, weight_grads_->get());
+      cuda::cvmm_weight_grad(deferred_plan, deferred_args, plan, a, side_->get());
     }
   };
   float* const dvalues = gparam(p + "ffn.values");
@@ -548,7 +552,7 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
   });
   cuda::cvmm_rows(L.plan_ff.view(true), {dhidden, wparam(p + "ffn.keys"), nullptr, nullptr, dX, nullptr, nullptr, es, d,
                                           true, true, in.rows}, stream_);
-  weight_grads_->join();
+  side_->join();
 }
 
 void GpuModel::attention_backward(int64_t l) {
@@ -563,9 +567,9 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kExperts);
   // The expert weight gradients run on the side stream (see experts_backward) until the
   // LayerNorm backward below writes dresb again.
-  weight_grads_->fork();
+  side_->fork();
   cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
-                                            d, H * Ea}, weight_grads_->get());
+                                            d, H * Ea}, side_->get());
   cuda::cvmm_rows(L.plan_o.view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
                                          dw_.get(), L.heads.get(), d, dh, true, true, N * H}, stream_);
   // The gradients of LN1's four readers go side by side into attn_in_grad_ (see gpu_model.h):
@@ -589,10 +593,10 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kExperts);
   // Their weight gradient reads the raw residual in bf16, made again on the side stream from the
   // kept fp32 one (a buffer for all layers instead of one kept per layer: 1.8 GB at 1B).
-  weight_grads_->fork();
-  cuda::to_bf16(xb_.get(), xs_[l].get(), N * d, weight_grads_->get());
+  side_->fork();
+  cuda::to_bf16(xb_.get(), xs_[l].get(), N * d, side_->get());
   cuda::cvmm_weight_grad(L.plan_v.view(), {xb_.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
-                                            H * Ea}, weight_grads_->get());
+                                            H * Ea}, side_->get());
   cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), nullptr,
                                          nullptr, dh, d, true, true, N}, stream_);
   cuda::cvmm_selection_dots(dw_.get(), L.v_sel.get(), dv_.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
@@ -604,7 +608,7 @@ void GpuModel::attention_backward(int64_t l) {
   // The input gradient is one product over all four.
   dense_input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get() + (l % cfg_.group_size) * attn_in_ld_ * d,
                    attn_in_ld_, N, dxn_.get());
-  weight_grads_->join();
+  side_->join();
   mark(Part::kOther);
   // dresb for the layer below (none below the first: the embedding's gradient reads dres), and
   // LN1's output again (bit for bit the forward's) into xn_ for the weight gradients.

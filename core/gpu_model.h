@@ -127,8 +127,9 @@ class GpuModel {
     float* w;
   };
   // Routing by routers whose weights lie one after another from `weight`: one product x·Wᵀ for
-  // all of them, in fp32 (see router_ld), then each one's top k.
-  void route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers);
+  // all of them, in fp32 (see router_ld), then each one's top k: on the main stream, or with
+  // `beside`, forked after the product onto the side stream (the caller joins it).
+  void route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers, bool beside = false);
   void mark(Part p);  // the work queued from here on belongs to p (kCount: none)
   // Where a physical layer's FFN router weight gradient accumulates: its rows in
   // router_grads_padded_ when that exists, else the parameter's gradient.
@@ -187,7 +188,9 @@ class GpuModel {
   std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_;
   std::unique_ptr<cuda::LmHeadCE> head_;
   std::unique_ptr<cuda::CvmmPlanner> planner_;
-  std::unique_ptr<SideStream> weight_grads_;  // expert weight gradients, beside the input gradients
+  // Work beside the main stream: the attention's top-ks and plans in the forward pass (beside q,
+  // k and RoPE), the expert weight gradients in the backward (beside the input gradients).
+  std::unique_ptr<SideStream> side_;
   bool profiling_ = false;
   std::vector<std::pair<cudaEvent_t, Part>> marks_;
   std::vector<cudaEvent_t> spare_events_;

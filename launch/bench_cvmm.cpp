@@ -2,11 +2,11 @@
 // 565 experts, top-24, d 1536, expert size 128; the attention value and output experts: 6 heads x
 // 12 experts, top-2 per head) beside the bf16 matrix-product peak measured by cuBLAS in the same
 // run, and the FFN backward's products on two streams as the model runs them. Usage:
-// moeut-bench-cvmm [TOKENS [REPS]] [--phases] [--random-routing]; REPS 1 runs each product once
+// moeut-bench-cvmm [TOKENS [REPS]] [--phases] [--stride-routing]; REPS 1 runs each product once
 // with no warm-up (for a profiler); --phases adds, for each product on the scatter kernel, the
-// clock cycles an item spends in each of its phases (CvmmRowsArgs::phase_cycles);
-// --random-routing draws each token's experts at random instead of at a fixed stride
-// (launch/bench_routing.h): the experts' rows then vary as under a router with random weights.
+// clock cycles an item spends in each of its phases (CvmmRowsArgs::phase_cycles). Each token's
+// experts are drawn at random, as a router with random weights picks them; --stride-routing takes
+// them at a fixed stride instead (launch/bench_routing.h), as the figures before v28 did.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -213,14 +213,14 @@ int main(int argc, char** argv) {
     args.erase(flag);
     return true;
   };
-  const bool phases = take_flag("--phases"), random_routing = take_flag("--random-routing");
+  const bool phases = take_flag("--phases"), random_routing = !take_flag("--stride-routing");
   try {
     const int64_t tokens = args.size() > 0 ? std::stoll(args[0]) : 16384;
     const int reps = args.size() > 1 ? std::stoi(args[1]) : 20;
     const double peak = bench::cublas_peak_tflops();
     std::printf("bf16 peak (cuBLAS 8192^3): %.1f TFLOP/s\n", peak);
     Rng rng(1);
-    if (random_routing) std::printf("routing: each token's experts drawn at random\n");
+    std::printf("routing: each token's experts %s\n", random_routing ? "drawn at random" : "at a fixed stride");
     ffn_products(tokens, peak, reps, phases, random_routing, rng);
     attention_products(tokens, peak, reps, phases, random_routing, rng);
     MOEUT_CUDA_CHECK(cudaDeviceSynchronize());

@@ -1,9 +1,11 @@
 // The FFN experts' routing that the GPU benchmarks time at the 1B shapes, in one place so that the
 // expert kernels (moeut-bench-cvmm) and their scatter floor (moeut-bench-scatter-floor) see the
-// same rows: 565 experts, top-24. Uniform: each token takes k distinct experts at a fixed stride,
-// so every expert has the same rows (to one). Random: each token's k distinct experts drawn at
+// same rows: 565 experts, top-24. Random (the default): each token's k distinct experts drawn at
 // random, as a router with random weights picks them, so the experts' rows vary (binomially: about
-// ±4% at 16k tokens) and with them the number and fill of their row tiles. Selection i = t·k + j
+// ±4% at 16k tokens) and with them the number and fill of their row tiles. Stride: each token takes
+// k distinct experts at a fixed stride, so every expert has the same rows (to one); the figures in
+// docs/PERFORMANCE.md before v28 used it, and it misleads (v28 item 1: the gather kernel's counter
+// order takes 30% longer on its rows than on random ones). Selection i = t·k + j
 // reads token row t and writes the row of its position in expert order, as the model's hidden
 // rows are stored; grouped.
 #pragma once
@@ -29,7 +31,7 @@ inline void random_distinct_experts(int32_t* experts, int64_t E, int64_t k, Rng&
   }
 }
 
-// rng null: uniform; otherwise random.
+// rng null: stride; otherwise random.
 inline CvmmSelection ffn_routing(int64_t tokens, Rng* rng) {
   CvmmSelection sel;
   sel.resize(tokens * kFfnTopK);

@@ -1,7 +1,7 @@
 // moeut-bench-scatter-floor [TOKENS]: the floor of the FFN scatters (down product, up input
 // gradient) at the 1B shapes: the additions of their 128 x 128 fp32 tiles into token rows
 // of [TOKENS, 1536] alone, with no product and no loads. The routing of moeut-bench-cvmm
-// (launch/bench_routing.h), row tiles of 128 selections of one expert (the last of an expert
+// (launch/bench_routing.h: each token's experts drawn at random, seed 1), row tiles of 128 selections of one expert (the last of an expert
 // padded with its first row), the additions made three ways, with tiles taken band by band
 // (every tile of output columns [n0, n0 + 128) before the next band: the cvmm kernels' order)
 // and row by row:
@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(kThreads) add_tiles(Out<kAdd>* out, const int3
 int main(int argc, char** argv) {
   using namespace moeut;
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 16384;
-  const CvmmSelection sel = bench::ffn_routing(tokens, nullptr);
+  Rng rng(1);
+  const CvmmSelection sel = bench::ffn_routing(tokens, &rng);
   std::vector<int32_t> rows;  // each expert's token rows, its last tile padded with its first row
   for (int64_t e = 0; e < bench::kFfnExperts; ++e)
     for (int64_t p = sel.expert_begin[e]; p < sel.expert_begin[e + 1]; p += kTile)

@@ -11,7 +11,7 @@
 # the machine's start and its warm-up. ROUNDS (environment): alternations (default 2). BENCHES
 # (environment): which benchmarks, of "cvmm 1B" (the default; "1B" alone saves about two minutes
 # of device time when the expert kernels did not change). CVMM_ARGS (environment): more arguments
-# for moeut-bench-cvmm (--random-routing, say). STEP_LIMIT (environment): seconds each
+# for moeut-bench-cvmm (--stride-routing, say). STEP_LIMIT (environment): seconds each
 # program may run (default 300). A variant whose tests fail is not benchmarked. Logs under $OUT:
 # summary.txt (tests passed or failed, and each run's timings on one line) and one log a kind.
 # Exit status: failed steps.

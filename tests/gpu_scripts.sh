@@ -37,10 +37,10 @@ echo "stand-in" > "$work/pack/source.txt"
 mkdir -p "$work/path" && stand_in "$work/path" nvidia-smi
 export PATH="$work/path:$PATH"
 
-out=$(OUT="$work/out1" ROUNDS=1 CVMM_ARGS="--random-routing" "$root/launch/gpu-compare.sh" "$work/pack" "$work/build" 2>&1) ||
+out=$(OUT="$work/out1" ROUNDS=1 CVMM_ARGS="--stride-routing" "$root/launch/gpu-compare.sh" "$work/pack" "$work/build" 2>&1) ||
   fail "two folders: exit status $? ($out)"
 grep -q "ran $work/build/tests/moeut_gpu_tests --gtest_filter=" <<< "$out" || fail "B's tests not from build/tests"
-grep -q "ran $work/pack/moeut-bench-cvmm 16384 --random-routing" <<< "$out" ||
+grep -q "ran $work/pack/moeut-bench-cvmm 16384 --stride-routing" <<< "$out" ||
   fail "A's kernel benchmark not from the pack, or without CVMM_ARGS"
 grep -q "ran $work/build/launch/moeut-bench --config $root/configs/1B.cfg --batch 16" <<< "$out" ||
   fail "B's 1B benchmark not from build/launch"
