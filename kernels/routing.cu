@@ -14,19 +14,29 @@ __device__ __forceinline__ uint32_t order_key(float z) {
   const uint32_t u = z == 0.f ? 0u : __float_as_uint(z);
   return isnan(z) ? 0u : (u & 0x80000000u) ? ~u : u | 0x80000000u;
 }
+// The logit of a key (NaN's key gives a NaN, zeros +0): the selection weights come from the keys
+// instead of a second read of the row.
+__device__ __forceinline__ float key_logit(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
+}
+__device__ __forceinline__ float key_sigmoid(uint32_t key) { return 1.f / (1.f + __expf(-key_logit(key))); }
 
 // The keys of a warp's row: lane holds experts lane, lane + 32, ... (P >= E / 32 slots); bit q
-// of the result marks slot q past E. The row's logits are copied to `packed` when given.
+// of the result marks slot q past E. The row's logits are copied to `packed` when given, after
+// all of them are loaded (interleaved, each load waited for the store before it, which may alias:
+// the FFN top-k took 73 µs a call for its 37 MB, docs/PERFORMANCE.md v28).
 template <int P>
 __device__ __forceinline__ uint32_t load_keys(uint32_t (&key)[P], const float* z, float* packed, int lane, int E) {
+  float v[P];
+#pragma unroll
+  for (int q = 0; q < P; ++q) v[q] = lane + 32 * q < E ? z[lane + 32 * q] : 0.f;
   uint32_t dead = 0;
 #pragma unroll
   for (int q = 0; q < P; ++q) {
     const int e = lane + 32 * q;
     const bool live = e < E;
-    const float v = live ? z[e] : 0.f;
-    if (live && packed) packed[e] = v;
-    key[q] = live ? order_key(v) : 0u;
+    if (live && packed) packed[e] = v[q];
+    key[q] = live ? order_key(v[q]) : 0u;
     dead |= live ? 0u : 1u << q;
   }
   return dead;
@@ -62,11 +72,12 @@ __global__ void __launch_bounds__(kWarps * 32) topk_rounds_kernel(int32_t* index
       if (!(taken >> q & 1u) && (slot < 0 || key[q] > best)) best = key[q], slot = q;
   };
   look();
-  int mine = 0;  // lane j < k: the expert taken in round j
+  int mine = 0;  // lane j < k: the expert taken in round j, and its key
+  uint32_t mine_key = 0;
   for (int j = 0; j < k; ++j) {
     const uint32_t top = __reduce_max_sync(0xffffffffu, slot >= 0 ? best : 0u);
     const int winner = int(__reduce_min_sync(0xffffffffu, slot >= 0 && best == top ? unsigned(lane + 32 * slot) : ~0u));
-    if (lane == j) mine = winner;
+    if (lane == j) mine = winner, mine_key = top;
     if (lane == winner % 32) {
       taken |= 1u << slot;
       look();
@@ -74,7 +85,7 @@ __global__ void __launch_bounds__(kWarps * 32) topk_rounds_kernel(int32_t* index
   }
   if (lane < k) {
     index[r * k + lane] = mine;
-    weight[r * k + lane] = 1.f / (1.f + __expf(-z[mine]));
+    weight[r * k + lane] = key_sigmoid(mine_key);
   }
 }
 
@@ -149,7 +160,7 @@ __global__ void __launch_bounds__(kWarps * 32) topk_search_kernel(int32_t* index
       rank += other > mine || (other == mine && chosen_expert[warp][i] < expert);
     }
     index[r * k + rank] = expert;
-    weight[r * k + rank] = 1.f / (1.f + __expf(-z[expert]));
+    weight[r * k + rank] = key_sigmoid(mine);
   }
 }
 
