@@ -72,26 +72,27 @@ figures() {  # figures LOG: a benchmark's timings on one line
     -e 's/.*step ([0-9.]+) ms.*/step \1 ms/p' -e 's|^([0-9]+) tokens/s.*|\1 tokens/s|p' "$1" | paste -sd '|' | sed 's/|/ | /g'
 }
 # compare_step NAME COMMAND...: step, then its summary line and its log folded into its kind's file.
+# Status: the step's (0: passed).
 compare_step() {
-  local name=$1 before=$failed log="$out/$1.log" kind
+  local name=$1 before=$failed log="$out/$1.log" kind passed
   step "$@"
+  [ "$failed" -eq "$before" ] && passed=0 || passed=1
   kind=$(sed -E 's/_[a-h](_[0-9]+)?$//' <<< "$name")
   if [ "$kind" = tests ]; then
-    echo "tests ${name#tests_}: $([ "$failed" -eq "$before" ] && echo passed || echo failed)" >> "$out/summary.txt"
+    echo "tests ${name#tests_}: $([ "$passed" -eq 0 ] && echo passed || echo failed)" >> "$out/summary.txt"
   else
     echo "$(sed -E 's/_([a-h])_([0-9]+)$/ \1 \2/' <<< "$name"): $(figures "$log")" >> "$out/summary.txt"
   fi
   { echo "== $name"; cat "$log"; } >> "$out/$kind.log"
   rm "$log"
+  return "$passed"
 }
 rm -f "$out/summary.txt" "$out/tests.log" "$out/cvmm.log" "$out/bench_1B.log"  # a previous run's, where $OUT is kept
 trap 'echo; cat "$out/summary.txt" 2>/dev/null' EXIT
 # A variant that fails its tests (or hangs in them: a kernel that deadlocks) is not timed.
 timed=(a)
 for v in "${variants[@]:1}"; do
-  before=$failed
-  compare_step "tests_$v" variant "$v" moeut_gpu_tests --gtest_filter="$filter"
-  if [ "$failed" -eq "$before" ]; then
+  if compare_step "tests_$v" variant "$v" moeut_gpu_tests --gtest_filter="$filter"; then
     timed+=("$v")
   else
     echo "tests of ${v^^} failed: no benchmarks of ${v^^}"
