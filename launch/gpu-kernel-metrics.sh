@@ -3,7 +3,8 @@
 # shapes of moeut-bench-cvmm: where each product's bytes go (DRAM, L2 hits, L2 reductions) and
 # what its warps wait on, and how unevenly its SMs are kept busy (the busiest SM's active cycles
 # over the average: a persistent kernel whose blocks end apart shows it, docs/PERFORMANCE.md v26).
-# Usage: launch/gpu-kernel-metrics.sh [TOKENS]
+# Usage: launch/gpu-kernel-metrics.sh [TOKENS [BENCH ARGS...]]  (BENCH ARGS go to moeut-bench-cvmm:
+# --stride-routing, say)
 # BIN (environment): the folder holding moeut-bench-cvmm and its source.txt (default build-gpu's;
 # a folder that launch/gpu-pack.sh filled works too).
 # Writes $OUT/kernel_metrics.csv (raw) and prints one line per product.
@@ -16,6 +17,7 @@ bin=${BIN:-$root/build-gpu}
 bench=$(program_in "$bin" moeut-bench-cvmm)
 show_source "$bin"
 tokens=${1:-16384}
+shift $(($# > 0 ? 1 : 0))
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
 metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
 metrics+=,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_red.sum
@@ -27,7 +29,7 @@ metrics+=,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio
 metrics+=,sm__cycles_active.max,sm__cycles_active.avg
 # Each product runs once (no warm-up), with caches flushed before it.
 "$ncu" -k regex:cvmm_ --metrics "$metrics" --csv --cache-control all --clock-control none \
-  --log-file "$out/kernel_metrics.csv" "$bench" "$tokens" 1 > "$out/kernel_metrics.log"
+  --log-file "$out/kernel_metrics.csv" "$bench" "$tokens" 1 "$@" > "$out/kernel_metrics.log"
 python3 - "$out/kernel_metrics.csv" <<'EOF'
 import csv, sys, statistics
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
