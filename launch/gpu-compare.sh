@@ -9,9 +9,11 @@
 # are folders are variants, a last one that is not is FILTER: the gtest filter for the tests
 # (default '*Cvmm*:*Plan*:*Model*'). Several variants in one call (a series of commits, say) share
 # the machine's start and its warm-up. ROUNDS (environment): alternations (default 2). BENCHES
-# (environment): which benchmarks, of "cvmm 1B" (the default; "1B" alone saves about two minutes
-# of device time when the expert kernels did not change). CVMM_ARGS (environment): more arguments
-# for moeut-bench-cvmm (--stride-routing, say). STEP_LIMIT (environment): seconds each
+# (environment): which benchmarks, of "cvmm 1B 1B_b32 244M_b32" (default "cvmm 1B": the kernels
+# and the 1B step at batch 16; "1B" alone saves about two minutes of device time when the expert
+# kernels did not change; 1B_b32 and 244M_b32 the steps at batch 32). CVMM_TOKENS (environment):
+# the kernel benchmark's tokens (default 16384). CVMM_ARGS (environment): more arguments for
+# moeut-bench-cvmm (--stride-routing, say). STEP_LIMIT (environment): seconds each
 # program may run (default 300). A variant whose tests fail is not benchmarked. Logs under $OUT:
 # summary.txt (tests passed or failed, and each run's timings on one line) and one log a kind.
 # Exit status: failed steps.
@@ -46,7 +48,7 @@ rounds=${ROUNDS:-2}
 limit=${STEP_LIMIT:-300}  # seconds per program run: a hung kernel ends there, not at the call's limit
 benches=" ${BENCHES:-cvmm 1B} "
 for b in $benches; do
-  case $b in cvmm | 1B) ;; *) echo "BENCHES: unknown benchmark '$b' (cvmm, 1B)" >&2; exit 2 ;; esac
+  case $b in cvmm | 1B | 1B_b32 | 244M_b32) ;; *) echo "BENCHES: unknown benchmark '$b' (cvmm, 1B, 1B_b32, 244M_b32)" >&2; exit 2 ;; esac
 done
 # variant V PROGRAM ARGS...: PROGRAM from variant V's folder, with VAR=1 set for A in the --env
 # form and unset otherwise.
@@ -65,7 +67,7 @@ echo "rounds $rounds"
 show_source "${dir_of[a]}"
 for v in "${variants[@]:1}"; do [ "${dir_of[$v]}" = "${dir_of[a]}" ] || show_source "${dir_of[$v]}"; done
 # Each step's figures go on one line of $out/summary.txt as soon as it ends, and its log is folded
-# into one file a kind (tests, cvmm, bench_1B) under its "== NAME" line: at most 8 files come back
+# into one file a kind (tests, cvmm, bench_1B, ...) under its "== NAME" line: at most 8 files come back
 # from the device, and a call that runs past its limit is killed with no chance to tidy up.
 figures() {  # figures LOG: a benchmark's timings on one line
   sed -nE -e 's/^  ([A-Za-z]([A-Za-z0-9 ,]*[A-Za-z0-9])?)[ :[].* ([0-9.]+) ms.*/\1 \3/p' \
@@ -87,7 +89,7 @@ compare_step() {
   rm "$log"
   return "$passed"
 }
-rm -f "$out/summary.txt" "$out/tests.log" "$out/cvmm.log" "$out/bench_1B.log"  # a previous run's, where $OUT is kept
+rm -f "$out"/{summary.txt,tests.log,cvmm.log,bench_1B.log,bench_1B_b32.log,bench_244M_b32.log}  # a previous run's
 trap 'echo; cat "$out/summary.txt" 2>/dev/null' EXIT
 # A variant that fails its tests (or hangs in them: a kernel that deadlocks) is not timed.
 timed=(a)
@@ -108,6 +110,8 @@ alternate() {
   done
 }
 read -r -a cvmm_args <<< "${CVMM_ARGS:-}"
-[[ $benches == *" cvmm "* ]] && alternate cvmm moeut-bench-cvmm 16384 "${cvmm_args[@]}"
+[[ $benches == *" cvmm "* ]] && alternate cvmm moeut-bench-cvmm "${CVMM_TOKENS:-16384}" "${cvmm_args[@]}"
 [[ $benches == *" 1B "* ]] && alternate bench_1B moeut-bench --config "$root/configs/1B.cfg" --batch 16
+[[ $benches == *" 1B_b32 "* ]] && alternate bench_1B_b32 moeut-bench --config "$root/configs/1B.cfg" --batch 32
+[[ $benches == *" 244M_b32 "* ]] && alternate bench_244M_b32 moeut-bench --config "$root/configs/244M.cfg" --batch 32
 exit $failed

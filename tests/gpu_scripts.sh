@@ -3,7 +3,8 @@
 # from which folder and with which variable, is checked where CI runs: a broken script costs a
 # call of the scarce device time. Checks:
 # - both folder layouts (a build folder: launch/, tests/; a pack: the programs at its top);
-# - the --env form sets the variable for A only; CVMM_ARGS reach the kernel benchmark;
+# - the --env form sets the variable for A only; CVMM_ARGS and CVMM_TOKENS reach the kernel
+#   benchmark; the batch-32 steps run with their configs;
 # - a program that hangs ends at STEP_LIMIT, and no benchmark runs after B's tests fail;
 # - with three variants and a filter, the one whose tests fail is left out of the benchmarks
 #   and the others run;
@@ -56,6 +57,16 @@ out=$(OUT="$work/out2" ROUNDS=1 BENCHES=1B "$root/launch/gpu-compare.sh" --env M
 section() { awk -v h="== $2" '$0 == h { on = 1; next } /^== / { on = 0 } on' "$1"; }
 section "$work/out2/bench_1B.log" bench_1B_a_1 | grep -q "var=1" || fail "--env: A without the variable"
 section "$work/out2/bench_1B.log" bench_1B_b_1 | grep -q "var=unset" || fail "--env: B with the variable"
+
+# The batch-32 steps and the kernel benchmark's tokens, each benchmark in its own log.
+out=$(OUT="$work/out6" ROUNDS=1 BENCHES="cvmm 1B_b32 244M_b32" CVMM_TOKENS=65536 "$root/launch/gpu-compare.sh" \
+  "$work/pack" "$work/build" 2>&1) || fail "batch 32: exit status $? ($out)"
+grep -q "ran $work/pack/moeut-bench-cvmm 65536 var" <<< "$out" || fail "CVMM_TOKENS not passed"
+grep -q "ran $work/build/launch/moeut-bench --config $root/configs/244M.cfg --batch 32" <<< "$out" || fail "244M b32 not run"
+[ "$(ls "$work/out6")" = "$(printf 'bench_1B_b32.log\nbench_244M_b32.log\ncvmm.log\nsummary.txt\ntests.log')" ] ||
+  fail "batch 32: logs ($(ls "$work/out6"))"
+grep -qx "bench_244M_b32 b 1: step 341.1 ms | 48031 tokens/s" "$work/out6/summary.txt" ||
+  fail "summary: B's 244M b32 step ($(cat "$work/out6/summary.txt"))"
 
 start=$SECONDS
 if out=$(OUT="$work/out3" STEP_LIMIT=2 "$root/launch/gpu-compare.sh" "$work/pack" "$work/hang" 2>&1); then
