@@ -47,8 +47,12 @@ filter=${filter:-'*Cvmm*:*Plan*:*Model*'}
 rounds=${ROUNDS:-2}
 limit=${STEP_LIMIT:-300}  # seconds per program run: a hung kernel ends there, not at the call's limit
 benches=" ${BENCHES:-cvmm 1B} "
+# The training steps it can time, in the order they run: name, profile, batch.
+step_benches=("1B 1B 16" "1B_b32 1B 32" "244M_b32 244M 32")
+known=cvmm
+for s in "${step_benches[@]}"; do known+=" ${s%% *}"; done
 for b in $benches; do
-  case $b in cvmm | 1B | 1B_b32 | 244M_b32) ;; *) echo "BENCHES: unknown benchmark '$b' (cvmm, 1B, 1B_b32, 244M_b32)" >&2; exit 2 ;; esac
+  [[ " $known " == *" $b "* ]] || { echo "BENCHES: unknown benchmark '$b' ($known)" >&2; exit 2; }
 done
 # variant V PROGRAM ARGS...: PROGRAM from variant V's folder, with VAR=1 set for A in the --env
 # form and unset otherwise.
@@ -89,7 +93,7 @@ compare_step() {
   rm "$log"
   return "$passed"
 }
-rm -f "$out"/{summary.txt,tests.log,cvmm.log,bench_1B.log,bench_1B_b32.log,bench_244M_b32.log}  # a previous run's
+rm -f "$out"/{summary.txt,tests.log,cvmm.log} "$out"/bench_*.log  # a previous run's, where $OUT is kept
 trap 'echo; cat "$out/summary.txt" 2>/dev/null' EXIT
 # A variant that fails its tests (or hangs in them: a kernel that deadlocks) is not timed.
 timed=(a)
@@ -111,7 +115,8 @@ alternate() {
 }
 read -r -a cvmm_args <<< "${CVMM_ARGS:-}"
 [[ $benches == *" cvmm "* ]] && alternate cvmm moeut-bench-cvmm "${CVMM_TOKENS:-16384}" "${cvmm_args[@]}"
-[[ $benches == *" 1B "* ]] && alternate bench_1B moeut-bench --config "$root/configs/1B.cfg" --batch 16
-[[ $benches == *" 1B_b32 "* ]] && alternate bench_1B_b32 moeut-bench --config "$root/configs/1B.cfg" --batch 32
-[[ $benches == *" 244M_b32 "* ]] && alternate bench_244M_b32 moeut-bench --config "$root/configs/244M.cfg" --batch 32
+for s in "${step_benches[@]}"; do
+  read -r name profile batch <<< "$s"
+  [[ $benches == *" $name "* ]] && alternate "bench_$name" moeut-bench --config "$root/configs/$profile.cfg" --batch "$batch"
+done
 exit $failed
