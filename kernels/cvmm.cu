@@ -343,8 +343,10 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 // kernel took 1.5 for all of it; docs/PERFORMANCE.md v13), so the kernel runs them side by side:
 // - Persistent blocks, one per SM, take the items by groups of G bands, G = 1 or 2 (output
 //   columns [n0, n0 + 128·G) of every row tile before the next group, so the band being added
-//   into stays in L2: 8 MB per band at 1B and 16k tokens); within a group each block takes a run
-//   of consecutive row tiles, the G bands of a tile in turn. Those items share the tile's row
+//   into stays in L2: 8 MB per band at 1B and 16k tokens), and within a group by the plan's
+//   chunks of the tokens (CvmmPlan::chunk_first_tile: 16k tokens each, so at 64k tokens a quarter
+//   of the band is added into at a time, docs/PERFORMANCE.md v29 item 3); within a chunk each
+//   block takes a run of consecutive row tiles, the G bands of a tile in turn. Those items share the tile's row
 //   slabs (at 1B the FFN's 100 MB of rows do not stay in L2: read once per pair of bands, not
 //   once per band, docs/PERFORMANCE.md v14), and consecutive tiles mostly share their expert, so
 //   a band's weight slab is loaded once per expert, not once per item. G = 2 when two bands of
@@ -418,8 +420,9 @@ struct PhaseClock {
   }
 };
 
-// The shared tail: in each group of bands the last kTailTilesPerBlock · blocks row tiles are not
-// split in advance but taken one at a time from the plan's counter of that group by whichever
+// The shared tail: in each chunk of each group of bands the last kTailTilesPerBlock · blocks row
+// tiles are not split in advance but taken one at a time from the plan's counter of that chunk
+// and group by whichever
 // blocks get there first, as the blocks end 3-5% apart from the SMs' speed alone
 // (docs/PERFORMANCE.md v26).
 constexpr int kTailTilesPerBlock = 2;
@@ -428,11 +431,11 @@ constexpr int kTailTilesPerBlock = 2;
 // atomic it sent them answered and its value used, so no fence is needed before the count; a
 // fence here made ptxas keep the kernels' float atomics as ATOMG, each waiting for its reply: 3x
 // slower, docs/PERFORMANCE.md v26): the launch's last block zeroes the first `used` counters
-// and the count of finished blocks, tail_counters[kCvmmMaxBandGroups], for the next launch.
+// and the count of finished blocks, tail_counters[kCvmmTailCounters], for the next launch.
 __device__ __forceinline__ void release_tail_counters(const CvmmPlan& plan, int used) {
-  if (atomicAdd(&plan.tail_counters[kCvmmMaxBandGroups], 1u) == gridDim.x - 1) {
+  if (atomicAdd(&plan.tail_counters[kCvmmTailCounters], 1u) == gridDim.x - 1) {
     for (int g = 0; g < used; ++g) plan.tail_counters[g] = 0;
-    plan.tail_counters[kCvmmMaxBandGroups] = 0;
+    plan.tail_counters[kCvmmTailCounters] = 0;
   }
 }
 
@@ -445,13 +448,18 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   float* Cs = reinterpret_cast<float*>(smem + 4 * kOperandBytes);  // [BM][BN], swizzled
   __shared__ ScatterSlot slot[kScatterSlots];
   const int64_t K = a.K, N = a.N;
-  // This block's row tiles in every group of bands: [tile0, tile_end) of the first `split`, then
-  // tiles split + i taken from the group's counter while i < tiles - split; each tile's G bands
-  // in turn.
-  const int tiles = *plan.live_tiles, bands = int((N + BN - 1) / BN), band_groups = (bands + group - 1) / group;
-  const int split = max(0, tiles - kTailTilesPerBlock * int(gridDim.x)), tail = tiles - split;
-  const int tile0 = int(int64_t(split) * blockIdx.x / gridDim.x);
-  const int tile_end = int(int64_t(split) * (blockIdx.x + 1) / gridDim.x);
+  // This block's row tiles in every chunk of every group of bands: of the chunk's tiles [base,
+  // base + split + tail), [tile0, tile_end) of the first `split`, then tiles base + split + i
+  // taken from the chunk's counter in the group while i < tail; each tile's G bands in turn.
+  const int bands = int((N + BN - 1) / BN), band_groups = (bands + group - 1) / group, chunks = plan.chunks;
+  int base = 0, split = 0, tail = 0, tile0 = 0, tile_end = 0;
+  auto enter_chunk = [&](int c) {  // once per chunk and group: the divisions stay off the items' path
+    base = plan.chunk_first_tile[c];
+    const int tiles = plan.chunk_first_tile[c + 1] - base;
+    split = max(0, tiles - kTailTilesPerBlock * int(gridDim.x)), tail = tiles - split;
+    tile0 = base + int(int64_t(split) * blockIdx.x / gridDim.x);
+    tile_end = base + int(int64_t(split) * (blockIdx.x + 1) / gridDim.x);
+  };
   // Row rr's 16-byte chunk c of the tile buffer.
   auto chunk_at = [&](int rr, int c) { return Cs + rr * BN + ((c ^ (rr % 8)) * 4); };
 
@@ -492,10 +500,11 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   const int wg = threadIdx.x / 128;
   // Items are looked up for s = 0, 1, 2, ... in turn, so a cursor steps through their (tile, band,
   // row stage) in the order above with no division (this runs every item, on the multiplying
-  // warps' path): row tile cursor_tile, band G·cursor_group + cursor_band.
-  int cursor_tile = 0, cursor_band = 0, cursor_group = 0, cursor_stage = 0, next_tile = tile0;
-  // Tail tiles: thread 0 asks the group's counter for one (`asked`) as soon as the block starts
-  // the group or takes the tile it had, and writes the answer into taken[k % 2] for the k-th
+  // warps' path): row tile cursor_tile, band G·cursor_group + cursor_band, in chunk cursor_chunk.
+  enter_chunk(0);
+  int cursor_tile = 0, cursor_band = 0, cursor_group = 0, cursor_chunk = 0, cursor_stage = 0, next_tile = tile0;
+  // Tail tiles: thread 0 asks the counter of the chunk in the group for one (`asked`) as soon as
+  // the block starts the chunk or takes the tile it had, and writes the answer into taken[k % 2] for the k-th
   // ask at the end of that iteration (the next one's first barrier shows it to the others); an
   // answer needed sooner is written at once, behind a barrier of the multiplying warps, which
   // all take the same path. Two boxes: the one written next was last read before a barrier.
@@ -503,7 +512,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   int asks = 0, asked = 0;
   bool answered = true;
   auto ask = [&] {
-    if (r == 0) asked = int(atomicAdd(&plan.tail_counters[cursor_group], 1u));
+    if (r == 0) asked = int(atomicAdd(&plan.tail_counters[cursor_group * chunks + cursor_chunk], 1u));
     answered = false;
     ++asks;
   };
@@ -511,7 +520,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     if (!answered && r == 0) taken[(asks - 1) % 2] = asked;
     answered = true;
   };
-  auto take_tile = [&] {  // the next tile of this block, advancing the group; -1: none left
+  auto take_tile = [&] {  // the next tile of this block, advancing the chunk and group; -1: none left
     while (cursor_group < band_groups) {
       if (next_tile < tile_end) return next_tile++;
       if (!answered) {
@@ -521,9 +530,10 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
       const int i = taken[(asks - 1) % 2];
       if (i < tail) {
         ask();
-        return split + i;
+        return base + split + i;
       }
-      if (++cursor_group < band_groups) next_tile = tile0, ask();
+      if (++cursor_chunk == chunks) cursor_chunk = 0, ++cursor_group;
+      if (cursor_group < band_groups) enter_chunk(cursor_chunk), next_tile = tile0, ask();
     }
     return -1;
   };
@@ -676,7 +686,7 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
     answer();
   }
   cp_async_wait<0>();
-  if (r == 0) release_tail_counters(plan, band_groups);  // every ask answered
+  if (r == 0) release_tail_counters(plan, band_groups * chunks);  // every ask answered
   if (kClock && threadIdx.x == 0) {
     clock.add_into(block_slots, kWaitOperands, kDweight + 1);
     clock.add_into(block_slots, kItems, kItems + 1);
@@ -1154,27 +1164,37 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
 
 namespace {
 
-enum class TileField { kExpert, kFirst, kPairTile };
-// The plan's tile lists, built on the host: each tile's expert or first position, or the tiles
-// that start a pair (see CvmmPlan::pair_tile).
-std::vector<int32_t> tile_list(const CvmmSelection& sel, TileField field) {
-  std::vector<int32_t> out;
-  int32_t tile = 0;
-  for (size_t e = 0; e + 1 < sel.expert_begin.size(); ++e)
-    for (int64_t p = sel.expert_begin[e]; p < sel.expert_begin[e + 1]; p += kCvmmTileRows, ++tile) {
-      if (field == TileField::kPairTile && (p - sel.expert_begin[e]) / kCvmmTileRows % 2 != 0) continue;
-      out.push_back(field == TileField::kExpert ? int32_t(e) : field == TileField::kFirst ? int32_t(p) : tile);
+// The plan's tile lists, built on the host in the device planner's order (offsets_and_tiles):
+// chunk by chunk, expert by expert, each tile's expert and first position, the tiles that start
+// a pair (see CvmmPlan::pair_tile), and where each chunk's tiles begin.
+struct TileLists {
+  std::vector<int32_t> expert, first, pair_tile, chunk_first;
+};
+TileLists tile_lists(const CvmmSelection& sel, int32_t chunks) {
+  TileLists l;
+  for (int32_t c = 0; c < chunks; ++c) {
+    l.chunk_first.push_back(int32_t(l.expert.size()));
+    for (size_t e = 0; e + 1 < sel.expert_begin.size(); ++e) {
+      const int64_t begin = sel.expert_begin[e];
+      const int64_t tiles = (sel.expert_begin[e + 1] - begin + kCvmmTileRows - 1) / kCvmmTileRows;
+      for (int64_t r = cvmm_chunk_rank_begin(c, tiles, chunks); r < cvmm_chunk_rank_begin(c + 1, tiles, chunks); ++r) {
+        if (r % 2 == 0) l.pair_tile.push_back(int32_t(l.expert.size()));
+        l.expert.push_back(int32_t(e));
+        l.first.push_back(int32_t(begin + r * kCvmmTileRows));
+      }
     }
-  return out;
+  }
+  l.chunk_first.push_back(int32_t(l.expert.size()));
+  return l;
 }
 
 DeviceBuffer<uint32_t> zeroed_tail_counters() {
-  return DeviceBuffer<uint32_t>(std::vector<uint32_t>(kCvmmMaxBandGroups + 1, 0));
+  return DeviceBuffer<uint32_t>(std::vector<uint32_t>(kCvmmTailCounters + 1, 0));
 }
 
 }  // namespace
 
-DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
+DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel, int64_t tokens_per_chunk) {
   std::vector<int32_t> in_by_position_rows(sel.by_expert.size()), out_by_position_rows(sel.by_expert.size());
   for (size_t p = 0; p < sel.by_expert.size(); ++p) {
     in_by_position_rows[p] = sel.in_row[size_t(sel.by_expert[p])];
@@ -1183,14 +1203,17 @@ DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
   in_row = DeviceBuffer<int32_t>(in_by_position_rows);
   out_row = DeviceBuffer<int32_t>(out_by_position_rows);
   by_expert = DeviceBuffer<int32_t>(sel.by_expert);
-  const std::vector<int32_t> experts = tile_list(sel, TileField::kExpert), pairs = tile_list(sel, TileField::kPairTile);
-  tile_expert = DeviceBuffer<int32_t>(experts);
-  tile_first = DeviceBuffer<int32_t>(tile_list(sel, TileField::kFirst));
-  pair_tile = DeviceBuffer<int32_t>(pairs);
+  const auto rows = [](const std::vector<int32_t>& r) { return r.empty() ? 0 : 1 + int64_t(*std::max_element(r.begin(), r.end())); };
+  chunks = cvmm_chunks(std::min(rows(sel.in_row), rows(sel.out_row)), tokens_per_chunk);
+  const TileLists lists = tile_lists(sel, chunks);
+  tile_expert = DeviceBuffer<int32_t>(lists.expert);
+  tile_first = DeviceBuffer<int32_t>(lists.first);
+  pair_tile = DeviceBuffer<int32_t>(lists.pair_tile);
+  chunk_first_tile = DeviceBuffer<int32_t>(lists.chunk_first);
   expert_begin = DeviceBuffer<int64_t>(sel.expert_begin);
-  tiles = int32_t(experts.size());
+  tiles = int32_t(lists.expert.size());
   live_tiles = DeviceBuffer<int32_t>(std::vector<int32_t>{tiles});
-  live_pairs = DeviceBuffer<int32_t>(std::vector<int32_t>{int32_t(pairs.size())});
+  live_pairs = DeviceBuffer<int32_t>(std::vector<int32_t>{int32_t(lists.pair_tile.size())});
   tail_counters = zeroed_tail_counters();
   in_by_position = out_by_position = true;
   for (size_t p = 0; p < sel.by_expert.size(); ++p) {
@@ -1203,8 +1226,8 @@ DeviceCvmmPlan::DeviceCvmmPlan(const CvmmSelection& sel) {
 CvmmPlan CvmmPlanBuffers::view(bool swapped) const {
   return {by_expert.get(), swapped ? out_row.get() : in_row.get(), swapped ? in_row.get() : out_row.get(),
           expert_begin.get(), tile_expert.get(), tile_first.get(), live_tiles.get(), pair_tile.get(), live_pairs.get(),
-          tiles, swapped ? out_by_position : in_by_position, swapped ? in_by_position : out_by_position, positions,
-          tail_counters.get()};
+          chunk_first_tile.get(), tiles, chunks, swapped ? out_by_position : in_by_position,
+          swapped ? in_by_position : out_by_position, positions, tail_counters.get()};
 }
 
 namespace {
@@ -1243,42 +1266,53 @@ __global__ void count_experts(int32_t* counts, const int32_t* sorted_key, int64_
   if (int(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(counts + key, __popc(peers));
 }
 
-// Expert offsets, row tiles and tile pairs from the counts, in one block: scans of the counts,
-// tile counts and pair counts over the experts, 256 at a time, then each thread lists its
-// expert's tiles and pairs. No host round trip.
+// Expert offsets, row tiles and tile pairs from the counts, in one block: a scan of the counts
+// over the experts, 256 at a time; then for each chunk, scans of the experts' tile and pair
+// counts in the chunk, and each thread lists its expert's tiles and pairs there (the order of
+// tile_lists on the host). No host round trip.
 constexpr int kPlanThreads = 256;
 __global__ void __launch_bounds__(kPlanThreads)
     offsets_and_tiles(int64_t* begin, int32_t* tile_expert, int32_t* tile_first, int32_t* live_tiles,
-                      int32_t* pair_tile, int32_t* live_pairs, const int32_t* counts, int experts) {
+                      int32_t* pair_tile, int32_t* live_pairs, int32_t* chunk_first_tile, const int32_t* counts,
+                      int experts, int chunks) {
   using Scan = cub::BlockScan<int64_t, kPlanThreads>;
   __shared__ typename Scan::TempStorage scratch;
-  __shared__ int64_t done_rows, done_tiles, done_pairs;  // totals of the experts before this pass
+  __shared__ int64_t done_rows, done_tiles, done_pairs;  // totals of the experts (chunks) before this pass
   if (threadIdx.x == 0) done_rows = done_tiles = done_pairs = 0;
   __syncthreads();
   for (int e0 = 0; e0 < experts; e0 += kPlanThreads) {
     const int e = e0 + int(threadIdx.x);
-    const int64_t rows = e < experts ? counts[e] : 0, tiles = (rows + kCvmmTileRows - 1) / kCvmmTileRows;
-    int64_t first_row, first_tile, first_pair, pass_rows, pass_tiles, pass_pairs;
-    Scan(scratch).ExclusiveSum(rows, first_row, pass_rows);
+    int64_t first_row, pass_rows;
+    Scan(scratch).ExclusiveSum(e < experts ? int64_t(counts[e]) : 0, first_row, pass_rows);
+    if (e < experts) begin[e] = done_rows + first_row;  // read back below by this thread only
     __syncthreads();
-    Scan(scratch).ExclusiveSum(tiles, first_tile, pass_tiles);
+    if (threadIdx.x == 0) done_rows += pass_rows;
     __syncthreads();
-    Scan(scratch).ExclusiveSum((tiles + 1) / 2, first_pair, pass_pairs);
-    first_row += done_rows, first_tile += done_tiles, first_pair += done_pairs;
-    if (e < experts) {
-      begin[e] = first_row;
-      for (int64_t i = 0; i < tiles; ++i) {
+  }
+  for (int c = 0; c < chunks; ++c) {
+    if (threadIdx.x == 0) chunk_first_tile[c] = int32_t(done_tiles);
+    for (int e0 = 0; e0 < experts; e0 += kPlanThreads) {
+      const int e = e0 + int(threadIdx.x);
+      const int64_t tiles = e < experts ? (counts[e] + kCvmmTileRows - 1) / kCvmmTileRows : 0;
+      const int64_t rank0 = cvmm_chunk_rank_begin(c, tiles, chunks), here = cvmm_chunk_rank_begin(c + 1, tiles, chunks) - rank0;
+      int64_t first_tile, first_pair, pass_tiles, pass_pairs;
+      Scan(scratch).ExclusiveSum(here, first_tile, pass_tiles);
+      __syncthreads();
+      Scan(scratch).ExclusiveSum((here + 1) / 2, first_pair, pass_pairs);  // rank0 is even
+      first_tile += done_tiles, first_pair += done_pairs;
+      for (int64_t i = 0; i < here; ++i) {
         tile_expert[first_tile + i] = e;
-        tile_first[first_tile + i] = int32_t(first_row + i * kCvmmTileRows);
+        tile_first[first_tile + i] = int32_t(begin[e] + (rank0 + i) * kCvmmTileRows);
         if (i % 2 == 0) pair_tile[first_pair + i / 2] = int32_t(first_tile + i);
       }
+      __syncthreads();
+      if (threadIdx.x == 0) done_tiles += pass_tiles, done_pairs += pass_pairs;
+      __syncthreads();
     }
-    __syncthreads();
-    if (threadIdx.x == 0) done_rows += pass_rows, done_tiles += pass_tiles, done_pairs += pass_pairs;
-    __syncthreads();
   }
   if (threadIdx.x == 0) {
     begin[experts] = done_rows;
+    chunk_first_tile[chunks] = int32_t(done_tiles);
     *live_tiles = int32_t(done_tiles);
     *live_pairs = int32_t(done_pairs);
   }
@@ -1290,13 +1324,16 @@ int32_t max_tiles(int64_t selections, int64_t experts) {
 
 }  // namespace
 
-CvmmPlanner::CvmmPlanner(int64_t max_selections, int64_t max_experts)
-    : max_selections_(max_selections), max_experts_(max_experts), keys_(size_t(max_selections)),
+CvmmPlanner::CvmmPlanner(int64_t max_selections, int64_t max_experts, int64_t tokens_per_chunk)
+    : max_selections_(max_selections), max_experts_(max_experts), tokens_per_chunk_(tokens_per_chunk),
+      keys_(size_t(max_selections)),
       sorted_keys_(size_t(max_selections)), order_(size_t(max_selections)), counts_(size_t(max_experts)) {
   size_t bytes = 0;
   MOEUT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, keys_.get(), sorted_keys_.get(), order_.get(),
                                                    order_.get(), int(max_selections)));
   sort_scratch_ = DeviceBuffer<unsigned char>(std::max<size_t>(bytes, 1));
+  if (tokens_per_chunk < 1)
+    throw std::invalid_argument("CvmmPlanner: tokens_per_chunk " + std::to_string(tokens_per_chunk) + " is not positive");
 }
 
 CvmmPlanBuffers CvmmPlanner::make_buffers() const {
@@ -1311,6 +1348,7 @@ CvmmPlanBuffers CvmmPlanner::make_buffers() const {
   p.live_tiles = DeviceBuffer<int32_t>(1);
   p.pair_tile = DeviceBuffer<int32_t>(size_t(p.tiles));
   p.live_pairs = DeviceBuffer<int32_t>(1);
+  p.chunk_first_tile = DeviceBuffer<int32_t>(size_t(kCvmmMaxChunks + 1));
   p.expert_begin = DeviceBuffer<int64_t>(size_t(max_experts_ + 1));
   p.tail_counters = zeroed_tail_counters();
   return p;
@@ -1344,9 +1382,11 @@ void CvmmPlanner::build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, 
     count_experts<<<blocks, 256, 0, stream>>>(counts_.get(), sorted_keys_.get(), sels, int(experts));
     MOEUT_CUDA_CHECK(cudaGetLastError());
   }
+  plan.chunks = cvmm_chunks(n, tokens_per_chunk_);
   offsets_and_tiles<<<1, kPlanThreads, 0, stream>>>(plan.expert_begin.get(), plan.tile_expert.get(), plan.tile_first.get(),
                                                     plan.live_tiles.get(), plan.pair_tile.get(), plan.live_pairs.get(),
-                                                    counts_.get(), int(experts));
+                                                    plan.chunk_first_tile.get(), counts_.get(), int(experts),
+                                                    int(plan.chunks));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1389,7 +1429,9 @@ void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t st
   // Bands in pairs when two of them fit in half of L2. H100 (50 MB), 1B shapes, ms with one band
   // against two: 16k tokens (16 MB a pair) down 1.208 / 1.151, up dX 1.234 / 1.136; 32k tokens
   // (34 MB) down 3.028 / 3.456, up dX 3.004 / 3.455, o 1.289 / 1.652 (docs/PERFORMANCE.md v14).
-  const int group = 2 * BN * sizeof(float) * a.out_rows <= int64_t(facts.l2_bytes) / 2 ? 2 : 1;
+  // A chunk of the plan adds into about 1/chunks of the output's rows at a time (its tokens').
+  const int64_t chunk_rows = (a.out_rows + plan.chunks - 1) / plan.chunks;
+  const int group = 2 * BN * sizeof(float) * chunk_rows <= int64_t(facts.l2_bytes) / 2 ? 2 : 1;
   if ((a.N + group * BN - 1) / (group * BN) > kCvmmMaxBandGroups)
     throw std::invalid_argument("cvmm_rows: a scatter over " + std::to_string(a.N) + " columns exceeds the " +
                                 std::to_string(kCvmmMaxBandGroups * group * BN) + " the scatter kernel counts tail tiles for");
@@ -1483,6 +1525,9 @@ void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream)
   if ((scatter || gather) && !plan.tail_counters)
     throw std::invalid_argument(std::string("cvmm_rows: a ") + (scatter ? "scatter" : "gather") +
                                 " on a plan without tail counters");
+  if (scatter && (!plan.chunk_first_tile || plan.chunks < 1 || plan.chunks > kCvmmMaxChunks))
+    throw std::invalid_argument("cvmm_rows: a scatter on a plan without its chunks of tiles (" +
+                                std::to_string(plan.chunks) + " chunks)");
   if (scatter) {
     if (a.transpose_w) launch_scatter<true>(plan, a, stream);
     else launch_scatter<false>(plan, a, stream);

@@ -32,7 +32,14 @@ struct CvmmPlan {
   // tile alone when its count is odd), for kernels that take 2·kCvmmTileRows rows at a time.
   const int32_t* pair_tile;     // [tiles], *live_pairs used
   const int32_t* live_pairs;    // [1]
+  // The tiles are listed by chunks of the tokens: chunk c holds, expert by expert, the tiles of
+  // each expert's c-th share of its rows (cvmm_chunk_rank_begin), tiles [chunk_first_tile[c],
+  // chunk_first_tile[c + 1]). An expert's rows are in token order, so a chunk's tiles cover about
+  // 1/chunks of the tokens, and a scatter that runs the chunks one after the other adds into
+  // that part of its output only (docs/PERFORMANCE.md v29 item 3).
+  const int32_t* chunk_first_tile;  // [chunks + 1]
   int32_t tiles;
+  int32_t chunks;
   // Rows that equal their position (in_row[p] == p, or out_row[p] == p) for every live position
   // below `positions`: such an operand's rows of one expert are one contiguous run, which the
   // weight gradient brings by tensor copies instead of gathering.
@@ -41,12 +48,31 @@ struct CvmmPlan {
   // The counters by which the scatter kernel's blocks share tail tiles and the gather kernel's
   // take tile pairs (kernels/cvmm.cu), zero between launches: one scatter or gather on a plan at
   // a time.
-  uint32_t* tail_counters = nullptr;  // [kCvmmMaxBandGroups + 1]
+  uint32_t* tail_counters = nullptr;  // [kCvmmTailCounters + 1]
 };
 inline constexpr int kCvmmTileRows = 128;
 // Groups of 128-column bands the scatter kernel counts tail tiles for: outputs up to 8192
 // columns (16384 with two bands a group).
 inline constexpr int kCvmmMaxBandGroups = 64;
+// Tokens a chunk of the tile list covers (CvmmPlan::chunk_first_tile): a 128-column fp32 band of
+// 16k rows is 8 MB, which the scatters keep in L2 (docs/PERFORMANCE.md v29 item 3). At most
+// kCvmmMaxChunks chunks: past 256k tokens a chunk covers more.
+inline constexpr int64_t kCvmmChunkTokens = 16384;
+inline constexpr int kCvmmMaxChunks = 16;
+// A tail counter for each chunk of each band group, then the count of finished blocks.
+inline constexpr int kCvmmTailCounters = kCvmmMaxBandGroups * kCvmmMaxChunks;
+
+// The chunks that cover `tokens` tokens, kCvmmChunkTokens (or `tokens_per_chunk`) each.
+inline int32_t cvmm_chunks(int64_t tokens, int64_t tokens_per_chunk = kCvmmChunkTokens) {
+  const int64_t chunks = (tokens + tokens_per_chunk - 1) / tokens_per_chunk;
+  return int32_t(chunks < 1 ? 1 : chunks > kCvmmMaxChunks ? kCvmmMaxChunks : chunks);
+}
+// The first of an expert's `tiles` tile ranks in chunk c of `chunks`: an even rank, so the two
+// tiles of a pair (CvmmPlan::pair_tile) stay in one chunk; chunk `chunks` begins at `tiles`.
+__host__ __device__ inline int64_t cvmm_chunk_rank_begin(int64_t c, int64_t tiles, int64_t chunks) {
+  const int64_t rank = 2 * ((c * ((tiles + 1) / 2) + chunks - 1) / chunks);
+  return rank < tiles ? rank : tiles;
+}
 
 // out[out_row] (+)= weight · X[in_row] · op(W_e). W holds [E, K, N] (op = identity) or
 // [E, N, K] (transposed: op(W_e) = W_eᵀ). weight may be null (ones).
@@ -138,18 +164,21 @@ void cvmm_weight_grad(const CvmmPlan& plan_a, const CvmmWeightGradArgs& a, const
 // A plan's device arrays. view(swapped): in_row and out_row exchanged, for the transposed
 // product of a backward pass.
 struct CvmmPlanBuffers {
-  DeviceBuffer<int32_t> in_row, out_row, by_expert, tile_expert, tile_first, live_tiles, pair_tile, live_pairs;
+  DeviceBuffer<int32_t> in_row, out_row, by_expert, tile_expert, tile_first, live_tiles, pair_tile, live_pairs,
+      chunk_first_tile;
   DeviceBuffer<int64_t> expert_begin;
   DeviceBuffer<uint32_t> tail_counters;  // zeroed at creation (see CvmmPlan)
-  int32_t tiles = 0;
+  int32_t tiles = 0, chunks = 1;
   bool in_by_position = false, out_by_position = false;  // see CvmmPlan
   int64_t positions = 0;
   CvmmPlan view(bool swapped = false) const;
 };
 
-// Device copies of a grouped CvmmSelection built on the host (tests, benchmarks).
+// Device copies of a grouped CvmmSelection built on the host (tests, benchmarks). The tokens,
+// which the chunks of the tile list divide, are the rows of the product's side with fewer: a
+// token's rows on one side, its selections' or its groups' on the other (CvmmRoute).
 struct DeviceCvmmPlan : CvmmPlanBuffers {
-  explicit DeviceCvmmPlan(const CvmmSelection& sel);
+  explicit DeviceCvmmPlan(const CvmmSelection& sel, int64_t tokens_per_chunk = kCvmmChunkTokens);
 };
 
 // How the selections of a routing decision map to rows. Selection i = (t·groups + g)·k + j of
@@ -166,7 +195,8 @@ enum class CvmmRoute {
 // pairs, then expert offsets and row tiles.
 class CvmmPlanner {
  public:
-  CvmmPlanner(int64_t max_selections, int64_t max_experts);
+  // tokens_per_chunk: the tokens a chunk of the tile list covers (CvmmPlan::chunk_first_tile).
+  CvmmPlanner(int64_t max_selections, int64_t max_experts, int64_t tokens_per_chunk = kCvmmChunkTokens);
   // Buffers sized for one plan of up to max_selections selections over max_experts experts.
   CvmmPlanBuffers make_buffers() const;
   // index [n, groups, k]: expert within its group, or -1 for a selection left out (its expert
@@ -175,7 +205,7 @@ class CvmmPlanner {
              CvmmRoute route, cudaStream_t stream);
 
  private:
-  int64_t max_selections_, max_experts_;
+  int64_t max_selections_, max_experts_, tokens_per_chunk_;
   DeviceBuffer<int32_t> keys_, sorted_keys_, order_, counts_;
   DeviceBuffer<unsigned char> sort_scratch_;
 };

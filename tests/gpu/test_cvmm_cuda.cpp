@@ -31,6 +31,9 @@ struct Shape {
   // model stores them, so the weight gradients take them by tensor copies; else at the
   // selections' own rows, gathered.
   bool by_position = false;
+  // Tokens a chunk of the plan's tile list covers: fewer than the tokens make the scatters run
+  // the chunks one after the other (CvmmPlan::chunk_first_tile).
+  int64_t tokens_per_chunk = cuda::kCvmmChunkTokens;
 };
 
 // A device copy of v whose first element sits `pad` elements into the allocation.
@@ -82,13 +85,14 @@ Routing random_routing(const Shape& s, Rng& rng) {
 void check(const Shape& s) {
   SCOPED_TRACE("tokens " + std::to_string(s.tokens) + " experts " + std::to_string(s.experts) + " k " +
                std::to_string(s.k) + " d " + std::to_string(s.d) + " es " + std::to_string(s.es) +
-               (s.skewed ? " skewed" : "") + (s.misaligned ? " misaligned" : "") + (s.by_position ? " by position" : ""));
+               (s.skewed ? " skewed" : "") + (s.misaligned ? " misaligned" : "") + (s.by_position ? " by position" : "") +
+               " tokens per chunk " + std::to_string(s.tokens_per_chunk));
   Rng rng{uint64_t(s.tokens * 131 + s.d)};
   const int64_t n = s.tokens, k = s.k, d = s.d, es = s.es, E = s.experts, sels = n * k;
   const Routing routing = random_routing(s, rng);
   const CvmmSelection &up = routing.up, &down = routing.down;
   const std::vector<float>& w = routing.w;
-  const cuda::DeviceCvmmPlan plan_up(up), plan_down(down);
+  const cuda::DeviceCvmmPlan plan_up(up, s.tokens_per_chunk), plan_down(down, s.tokens_per_chunk);
 
   const auto X = random_bf16_values(n * d, rng, 1.0), Wk = random_bf16_values(E * d * es, rng, 0.05);
   const auto Wv = random_bf16_values(E * es * d, rng, 0.05), H = random_bf16_values(sels * es, rng, 1.0);
@@ -263,7 +267,9 @@ TEST_F(GpuTest, CvmmMatchesTheCpuReference) {
                          Shape{333, 20, 4, 320, 64, false, false, true},  // three column tiles, the last partial
                          Shape{300, 12, 3, 64, 32, false, true}, Shape{2048, 565, 24, 1536, 128, false, false, true},
                          Shape{1024, 565, 24, 1536, 128, true, false},
-                         Shape{300, 16, 4, 256, 192, false, false, true}})  // scatters deeper than 128: the general kernel
+                         Shape{300, 16, 4, 256, 192, false, false, true},  // scatters deeper than 128: the general kernel
+                         Shape{2048, 565, 24, 1536, 128, false, false, true, 600},  // 4 chunks of the tokens
+                         Shape{1024, 565, 24, 1536, 128, true, false, false, 300}})
     check(s);
 }
 
@@ -396,8 +402,9 @@ TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
   EXPECT_LE(rel_error(dots.download(), dw_ref), 1e-4) << "dots of rows at selections, other ranks' 0";
 }
 
-// The device planner lists the same tiles and tile pairs, in the same order, as the host plan
-// that the tests and moeut-bench-cvmm use, so the benchmark measures the training's schedule.
+// The device planner lists the same tiles and tile pairs, in the same order and chunks, as the
+// host plan that the tests and moeut-bench-cvmm use, so the benchmark measures the training's
+// schedule.
 // Skewed routing gives one expert many pairs and leaves others empty; more experts than the
 // planner's block scans at once.
 TEST_F(GpuTest, DevicePlanListsTheHostPlansTiles) {
@@ -413,8 +420,9 @@ TEST_F(GpuTest, DevicePlanListsTheHostPlansTiles) {
   }
   sel.group(E);
   for (int64_t q = 0; q < sels; ++q) sel.out_row[size_t(q)] = sel.position[size_t(q)];
-  const cuda::DeviceCvmmPlan host(sel);
-  cuda::CvmmPlanner planner(sels, E);
+  const int64_t tokens_per_chunk = 1000;  // 3 chunks
+  const cuda::DeviceCvmmPlan host(sel, tokens_per_chunk);
+  cuda::CvmmPlanner planner(sels, E, tokens_per_chunk);
   cuda::CvmmPlanBuffers device = planner.make_buffers();
   const DeviceBuffer<int32_t> gindex(index);
   planner.build(device, gindex.get(), n, 1, E, k, cuda::CvmmRoute::kGatherToPositions, 0);
@@ -430,6 +438,9 @@ TEST_F(GpuTest, DevicePlanListsTheHostPlansTiles) {
   EXPECT_EQ(first(device.tile_expert, tiles), first(host.tile_expert, tiles));
   EXPECT_EQ(first(device.tile_first, tiles), first(host.tile_first, tiles));
   EXPECT_EQ(first(device.pair_tile, pairs), first(host.pair_tile, pairs));
+  ASSERT_EQ(host.chunks, 3);
+  EXPECT_EQ(device.chunks, host.chunks);
+  EXPECT_EQ(first(device.chunk_first_tile, host.chunks + 1), host.chunk_first_tile.download());
   EXPECT_EQ(first(device.by_expert, int32_t(sels)), sel.by_expert);
 }
 
