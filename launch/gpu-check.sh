@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On a GPU host: the GPU tests and the benchmarks, from binaries built by launch/build-gpu.sh.
-# Logs go under $OUT (the device tool brings them back). Exit status: failed steps.
+# On a GPU host: the GPU tests and the benchmarks, from binaries built by launch/build-gpu.sh
+# (BIN, environment: their build folder, default build-gpu). Logs go under $OUT (the device tool
+# brings them back, 8 files at most: this writes 6). Exit status: failed steps.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-bin=$root/build-gpu
+bin=${BIN:-$root/build-gpu}
 out=${OUT:-/tmp/moeut-gpu-check}
 mkdir -p "$out"
 . "$root/launch/gpu-step.sh"
@@ -20,6 +21,15 @@ step bench_cvmm_16k "$bin/launch/moeut-bench-cvmm" 16384
 step bench_cvmm_64k "$bin/launch/moeut-bench-cvmm" 65536
 step scatter_floor_16k "$bin/launch/moeut-bench-scatter-floor" 16384
 step scatter_phases_16k timeout 300 "$bin/launch/moeut-bench-cvmm" 16384 3 --phases  # where a scatter item's time goes
-step bench_244M_b32 "$bin/launch/moeut-bench" --config "$root/configs/244M.cfg" --batch 32
-step bench_1B_b16 "$bin/launch/moeut-bench" --config "$root/configs/1B.cfg" --batch 16
+# The training step at the four points of docs/PERFORMANCE.md's table, into one log.
+training_steps() {
+  local status=0 profile batch point
+  for point in "244M 16" "244M 32" "1B 16" "1B 32"; do
+    read -r profile batch <<< "$point"
+    echo "== $profile batch $batch"
+    "$bin/launch/moeut-bench" --config "$root/configs/$profile.cfg" --batch "$batch" || status=$?
+  done
+  return $status
+}
+step bench_steps training_steps
 exit $failed

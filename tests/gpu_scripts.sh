@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU hosts' A/B script (launch/gpu-compare.sh) with stand-in programs, so that what it runs,
-# from which folder and with which variable, is checked where CI runs: a broken script costs a
-# call of the scarce device time. Checks:
+# The GPU hosts' A/B script (launch/gpu-compare.sh) and check script (launch/gpu-check.sh) with
+# stand-in programs, so that what they run, from which folder and with which variable, is checked
+# where CI runs: a broken script costs a call of the scarce device time. Checks:
 # - both folder layouts (a build folder: launch/, tests/; a pack: the programs at its top);
 # - the --env form sets the variable for A only; CVMM_ARGS and CVMM_TOKENS reach the kernel
 #   benchmark; the batch-32 steps run with their configs;
@@ -10,7 +10,8 @@
 #   and the others run;
 # - the step logs come folded into one file a kind, and summary.txt holds each run's timings
 #   (the device tool brings back 8 files at most), each as its step ends: a call killed at the
-#   device's limit keeps what ran before.
+#   device's limit keeps what ran before;
+# - gpu-check.sh runs every step from BIN and the four training steps into one log.
 # Usage: gpu_scripts.sh WORK_DIR
 set -euo pipefail
 work=$1
@@ -104,3 +105,21 @@ grep -qx "tests b: passed" "$work/out5/summary.txt" && grep -qx "cvmm b 1: o dX 
 grep -q "^== cvmm_b_1" "$work/out5/cvmm.log" && grep -q "^== bench_1B_a_1" "$work/out5/bench_1B.log" ||
   fail "killed: the finished steps' logs not folded ($(ls "$work/out5"))"
 echo "gpu-compare.sh: folders, --env, time limit, three variants, folded logs and summary, a killed call: ok"
+
+# gpu-check.sh on a build folder of stand-ins: every step runs from BIN, the training steps at the
+# four points of the PERFORMANCE table go into one log, and the logs fit the 8 files that come back.
+mkdir -p "$work/checkbuild/launch" "$work/checkbuild/tests"
+for program in moeut-bench moeut-bench-cvmm moeut-bench-scatter-floor; do
+  stand_in "$work/checkbuild/launch" "$program" "$step_line"
+done
+stand_in "$work/checkbuild/tests" moeut_gpu_tests
+echo "stand-in" > "$work/checkbuild/source.txt"
+out=$(OUT="$work/check" BIN="$work/checkbuild" "$root/launch/gpu-check.sh" 2>&1) || fail "gpu-check: exit status $? ($out)"
+[ "$(ls "$work/check")" = "$(printf '%s\n' bench_cvmm_16k.log bench_cvmm_64k.log bench_steps.log gpu_tests.log \
+  scatter_floor_16k.log scatter_phases_16k.log)" ] || fail "gpu-check: logs ($(ls "$work/check"))"
+for point in "244M.cfg --batch 16" "244M.cfg --batch 32" "1B.cfg --batch 16" "1B.cfg --batch 32"; do
+  grep -q "ran $work/checkbuild/launch/moeut-bench --config $root/configs/$point" "$work/check/bench_steps.log" ||
+    fail "gpu-check: no step at $point"
+done
+grep -q "ran $work/checkbuild/tests/moeut_gpu_tests" "$work/check/gpu_tests.log" || fail "gpu-check: tests not from BIN"
+echo "gpu-check.sh: every step from BIN, the four training steps in one log, 6 logs: ok"
