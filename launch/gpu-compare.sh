@@ -9,9 +9,10 @@
 # are folders are variants, a last one that is not is FILTER: the gtest filter for the tests
 # (default '*Cvmm*:*Plan*:*Model*'). Several variants in one call (a series of commits, say) share
 # the machine's start and its warm-up. ROUNDS (environment): alternations (default 2). BENCHES
-# (environment): which benchmarks, of "cvmm 1B 1B_b32 244M_b32" (default "cvmm 1B": the kernels
-# and the 1B step at batch 16; "1B" alone saves about two minutes of device time when the expert
-# kernels did not change; 1B_b32 and 244M_b32 the steps at batch 32). CVMM_TOKENS (environment):
+# (environment): which benchmarks, of "cvmm 1B 1B_b32 244M 244M_b32" (default "cvmm 1B": the
+# kernels and the 1B step at batch 16; "1B" alone saves about two minutes of device time when the
+# expert kernels did not change; 244M the 244M step at batch 16; the _b32 ones the steps at batch
+# 32: the four points of docs/PERFORMANCE.md's table). CVMM_TOKENS (environment):
 # the kernel benchmark's tokens (default 16384). CVMM_ARGS (environment): more arguments for
 # moeut-bench-cvmm (--stride-routing, say). STEP_LIMIT (environment): seconds each
 # program may run (default 300). A variant whose tests fail is not benchmarked. Logs under $OUT:
@@ -48,7 +49,7 @@ rounds=${ROUNDS:-2}
 limit=${STEP_LIMIT:-300}  # seconds per program run: a hung kernel ends there, not at the call's limit
 benches=" ${BENCHES:-cvmm 1B} "
 # The training steps it can time, in the order they run: name, profile, batch.
-step_benches=("1B 1B 16" "1B_b32 1B 32" "244M_b32 244M 32")
+step_benches=("1B 1B 16" "1B_b32 1B 32" "244M 244M 16" "244M_b32 244M 32")
 known=cvmm
 for s in "${step_benches[@]}"; do known+=" ${s%% *}"; done
 for b in $benches; do

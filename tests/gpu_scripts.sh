@@ -60,11 +60,12 @@ section "$work/out2/bench_1B.log" bench_1B_a_1 | grep -q "var=1" || fail "--env:
 section "$work/out2/bench_1B.log" bench_1B_b_1 | grep -q "var=unset" || fail "--env: B with the variable"
 
 # The batch-32 steps and the kernel benchmark's tokens, each benchmark in its own log.
-out=$(OUT="$work/out6" ROUNDS=1 BENCHES="cvmm 1B_b32 244M_b32" CVMM_TOKENS=65536 "$root/launch/gpu-compare.sh" \
+out=$(OUT="$work/out6" ROUNDS=1 BENCHES="cvmm 1B_b32 244M 244M_b32" CVMM_TOKENS=65536 "$root/launch/gpu-compare.sh" \
   "$work/pack" "$work/build" 2>&1) || fail "batch 32: exit status $? ($out)"
 grep -q "ran $work/pack/moeut-bench-cvmm 65536 var" <<< "$out" || fail "CVMM_TOKENS not passed"
 grep -q "ran $work/build/launch/moeut-bench --config $root/configs/244M.cfg --batch 32" <<< "$out" || fail "244M b32 not run"
-[ "$(ls "$work/out6")" = "$(printf 'bench_1B_b32.log\nbench_244M_b32.log\ncvmm.log\nsummary.txt\ntests.log')" ] ||
+grep -q "ran $work/build/launch/moeut-bench --config $root/configs/244M.cfg --batch 16" <<< "$out" || fail "244M b16 not run"
+[ "$(ls "$work/out6")" = "$(printf 'bench_1B_b32.log\nbench_244M.log\nbench_244M_b32.log\ncvmm.log\nsummary.txt\ntests.log')" ] ||
   fail "batch 32: logs ($(ls "$work/out6"))"
 grep -qx "bench_244M_b32 b 1: step 341.1 ms | 48031 tokens/s" "$work/out6/summary.txt" ||
   fail "summary: B's 244M b32 step ($(cat "$work/out6/summary.txt"))"
