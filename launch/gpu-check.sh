@@ -21,10 +21,10 @@ step bench_cvmm_16k "$bin/launch/moeut-bench-cvmm" 16384
 step bench_cvmm_64k "$bin/launch/moeut-bench-cvmm" 65536
 step scatter_floor_16k "$bin/launch/moeut-bench-scatter-floor" 16384
 step scatter_phases_16k timeout 300 "$bin/launch/moeut-bench-cvmm" 16384 3 --phases  # where a scatter item's time goes
-# The training step at the four points of docs/PERFORMANCE.md's table, into one log.
+# The training step at the four points of docs/PERFORMANCE.md's table (table_points), into one log.
 training_steps() {
   local status=0 profile batch point
-  for point in "244M 16" "244M 32" "1B 16" "1B 32"; do
+  for point in "${table_points[@]}"; do
     read -r profile batch <<< "$point"
     echo "== $profile batch $batch"
     "$bin/launch/moeut-bench" --config "$root/configs/$profile.cfg" --batch "$batch" || status=$?

@@ -48,10 +48,8 @@ filter=${filter:-'*Cvmm*:*Plan*:*Model*'}
 rounds=${ROUNDS:-2}
 limit=${STEP_LIMIT:-300}  # seconds per program run: a hung kernel ends there, not at the call's limit
 benches=" ${BENCHES:-cvmm 1B} "
-# The training steps it can time, in the order they run: name, profile, batch.
-step_benches=("1B 1B 16" "1B_b32 1B 32" "244M 244M 16" "244M_b32 244M 32")
 known=cvmm
-for s in "${step_benches[@]}"; do known+=" ${s%% *}"; done
+for point in "${table_points[@]}"; do known+=" $(point_name $point)"; done
 for b in $benches; do
   [[ " $known " == *" $b "* ]] || { echo "BENCHES: unknown benchmark '$b' ($known)" >&2; exit 2; }
 done
@@ -116,8 +114,9 @@ alternate() {
 }
 read -r -a cvmm_args <<< "${CVMM_ARGS:-}"
 [[ $benches == *" cvmm "* ]] && alternate cvmm moeut-bench-cvmm "${CVMM_TOKENS:-16384}" "${cvmm_args[@]}"
-for s in "${step_benches[@]}"; do
-  read -r name profile batch <<< "$s"
+for point in "${table_points[@]}"; do
+  read -r profile batch <<< "$point"
+  name=$(point_name "$profile" "$batch")
   [[ $benches == *" $name "* ]] && alternate "bench_$name" moeut-bench --config "$root/configs/$profile.cfg" --batch "$batch"
 done
 exit $failed
