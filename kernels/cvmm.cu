@@ -346,13 +346,13 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 //   into stays in L2: 8 MB per band at 1B and 16k tokens), and within a group by the plan's
 //   chunks of the tokens (CvmmPlan::chunk_first_tile: 16k tokens each, so at 64k tokens a quarter
 //   of the band is added into at a time, docs/PERFORMANCE.md v29 item 3); within a chunk each
-//   block takes a run of consecutive row tiles, the G bands of a tile in turn. Those items share the tile's row
-//   slabs (at 1B the FFN's 100 MB of rows do not stay in L2: read once per pair of bands, not
-//   once per band, docs/PERFORMANCE.md v14), and consecutive tiles mostly share their expert, so
-//   a band's weight slab is loaded once per expert, not once per item. G = 2 when two bands of
-//   the output fit in half of L2. The last two tiles a block of each group are shared instead:
-//   taken one at a time from a counter by the blocks that get there first (the shared tail,
-//   below), as blocks given even shares end 3-5% apart.
+//   block takes a run of consecutive row tiles, the G bands of a tile in turn. Those items share
+//   the tile's row slabs (at 1B the FFN's 100 MB of rows do not stay in L2: read once per pair of
+//   bands, not once per band, docs/PERFORMANCE.md v14), and consecutive tiles mostly share their
+//   expert, so a band's weight slab is loaded once per expert, not once per item. G = 2 when two
+//   bands of a chunk's share of the output fit in half of L2. The last two tiles a block of each
+//   chunk and group are shared instead: taken one at a time from a counter by the blocks that
+//   get there first (the shared tail, below), as blocks given even shares end 3-5% apart.
 // - Two warpgroups load (row slabs: two stages, one per tile; weight slabs: two buffers, item s
 //   in buffer s % 2) and multiply; a third adds each finished tile into its rows with 16-byte vector
 //   atomics while the first two go on with the next items. The tile passes between them
@@ -422,9 +422,8 @@ struct PhaseClock {
 
 // The shared tail: in each chunk of each group of bands the last kTailTilesPerBlock · blocks row
 // tiles are not split in advance but taken one at a time from the plan's counter of that chunk
-// and group by whichever
-// blocks get there first, as the blocks end 3-5% apart from the SMs' speed alone
-// (docs/PERFORMANCE.md v26).
+// and group by whichever blocks get there first, as the blocks end 3-5% apart from the SMs'
+// speed alone (docs/PERFORMANCE.md v26).
 constexpr int kTailTilesPerBlock = 2;
 
 // Called by one thread of each block once the block is done with the plan's counters (every
@@ -504,10 +503,11 @@ __global__ void __launch_bounds__(kScatterThreads, 1) cvmm_scatter_kernel(CvmmPl
   enter_chunk(0);
   int cursor_tile = 0, cursor_band = 0, cursor_group = 0, cursor_chunk = 0, cursor_stage = 0, next_tile = tile0;
   // Tail tiles: thread 0 asks the counter of the chunk in the group for one (`asked`) as soon as
-  // the block starts the chunk or takes the tile it had, and writes the answer into taken[k % 2] for the k-th
-  // ask at the end of that iteration (the next one's first barrier shows it to the others); an
-  // answer needed sooner is written at once, behind a barrier of the multiplying warps, which
-  // all take the same path. Two boxes: the one written next was last read before a barrier.
+  // the block starts the chunk or takes the tile it had, and writes the answer into taken[k % 2]
+  // for the k-th ask at the end of that iteration (the next one's first barrier shows it to the
+  // others); an answer needed sooner is written at once, behind a barrier of the multiplying
+  // warps, which all take the same path. Two boxes: the one written next was last read before a
+  // barrier.
   __shared__ int taken[2];
   int asks = 0, asked = 0;
   bool answered = true;
