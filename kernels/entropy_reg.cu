@@ -16,10 +16,14 @@ constexpr int kThreads = 256;
 // and more blocks per row contend on the same E means (13.6 us a call at 64, 17.6 at 16).
 __host__ __device__ constexpr int positions_per_block(int L) { return L == 32 ? 16 : 64; }
 
-// A position's E logits are handled by L lanes of a warp (L: the power of two at or above E, at
-// most 32), 32 / L positions per warp: attention's 12 experts would otherwise leave most lanes
-// idle through each reduction. Every lane of a warp runs each reduction (positions past the end
-// with a clamped row, their results unused).
+// A position's E logits are handled by L lanes of a warp, about kExpertsPerLane each (L: the
+// power of two at or above E / kExpertsPerLane, from 4 to 32), 32 / L positions per warp:
+// attention's 12 experts take 4 lanes, 3 each, instead of 16 lanes with 4 idle, so a warp covers
+// 8 positions and each lane has 3 loads in flight (these kernels wait on memory latency at such
+// small rows: 14–23 µs a call for 4.7 MB at 1B b16). Every lane of a warp runs each reduction
+// (positions past the end with a clamped row, their results unused).
+constexpr int64_t kExpertsPerLane = 4;
+int64_t lane_target(int64_t E) { return (E + kExpertsPerLane - 1) / kExpertsPerLane; }
 // Log-sum-exp over the E logits at z; lane: this lane's index within its L.
 template <int L>
 __device__ inline float position_lse(const float* z, int E, int lane) {
@@ -31,7 +35,9 @@ __device__ inline float position_lse(const float* z, int E, int lane) {
   return mx + __logf(group_sum<L>(s));
 }
 
-// Sums softmax(z) over the positions of (b, g) into mean[b, g, :]; block (chunk, g, b).
+// Sums softmax(z) over the positions of (b, g) into mean[b, g, :]; block (chunk, g, b). The
+// warp's positions are summed by shuffles first (lanes L, 2L, ... apart hold the same expert), so
+// its first L lanes alone add into shared memory.
 template <int L>
 __global__ void accumulate_mean(float* mean, const float* z, int T, int groups, int E, float inv_S) {
   extern __shared__ float part[];  // [E]
@@ -45,8 +51,13 @@ __global__ void accumulate_mean(float* mean, const float* z, int T, int groups, 
     const int t = t0 + threadIdx.x % 32 / L;
     const float* zp = z + ((int64_t(b) * T + min(t, t_end - 1)) * groups + g) * E;
     const float lse = position_lse<L>(zp, E, lane);
-    if (t < t_end)
-      for (int e = lane; e < E; e += L) atomicAdd(&part[e], __expf(zp[e] - lse) * inv_S);
+    for (int e0 = 0; e0 < E; e0 += L) {  // the same steps in every lane, for the shuffles
+      const int e = e0 + lane;
+      float p = t < t_end && e < E ? __expf(zp[e] - lse) * inv_S : 0.f;
+#pragma unroll
+      for (int o = L; o < 32; o *= 2) p += __shfl_xor_sync(0xffffffffu, p, o);
+      if (threadIdx.x % 32 < L && e < E) atomicAdd(&part[e], p);
+    }
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) atomicAdd(&mean[(int64_t(b) * groups + g) * E + e], part[e]);
@@ -100,7 +111,7 @@ void EntropyReg::forward_backward(const std::vector<float*>& duses, const std::v
   const int64_t R = int64_t(uses.size()), S = T * R, rows = B_ * groups_;
   if (rows == 0) return;
   MOEUT_CUDA_CHECK(cudaMemsetAsync(mean_.get(), 0, mean_.size() * sizeof(float), stream));
-  with_ceiling<4, 8, 16, 32>(E_, [&](auto L) {
+  with_ceiling<4, 8, 16, 32>(lane_target(E_), [&](auto L) {
     constexpr int kPositions = positions_per_block(L);
     const dim3 grid(unsigned((T + kPositions - 1) / kPositions), unsigned(groups_), unsigned(B_));
     for (const float* z : uses)
@@ -111,7 +122,7 @@ void EntropyReg::forward_backward(const std::vector<float*>& duses, const std::v
   entropy_terms<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(mean_.get(), loss, int(rows), int(E_), coef / double(rows));
   MOEUT_CUDA_CHECK(cudaGetLastError());
   const int64_t positions = B_ * T * groups_;
-  with_ceiling<4, 8, 16, 32>(E_, [&](auto L) {
+  with_ceiling<4, 8, 16, 32>(lane_target(E_), [&](auto L) {
     const int64_t per_block = 256 / L;
     for (int64_t r = 0; r < R; ++r)
       entropy_grad<L><<<unsigned((positions + per_block - 1) / per_block), 256, 0, stream>>>(
