@@ -11,7 +11,8 @@
 # - the step logs come folded into one file a kind, and summary.txt holds each run's timings
 #   (the device tool brings back 8 files at most), each as its step ends: a call killed at the
 #   device's limit keeps what ran before;
-# - gpu-check.sh runs every step from BIN and the four training steps into one log.
+# - gpu-check.sh runs every step from BIN and the four training steps into one log, and with
+#   PARTS="tests steps" only those two, from a pack too; an unknown part is refused.
 # Usage: gpu_scripts.sh WORK_DIR
 set -euo pipefail
 work=$1
@@ -123,4 +124,15 @@ for point in "244M.cfg --batch 16" "244M.cfg --batch 32" "1B.cfg --batch 16" "1B
     fail "gpu-check: no step at $point"
 done
 grep -q "ran $work/checkbuild/tests/moeut_gpu_tests" "$work/check/gpu_tests.log" || fail "gpu-check: tests not from BIN"
-echo "gpu-check.sh: every step from BIN, the four training steps in one log, 6 logs: ok"
+# PARTS="tests steps" on a pack (the programs at its top): the tests and the table alone.
+out=$(OUT="$work/check2" BIN="$work/pack" PARTS="tests steps" "$root/launch/gpu-check.sh" 2>&1) ||
+  fail "gpu-check PARTS: exit status $? ($out)"
+[ "$(ls "$work/check2")" = "$(printf '%s\n' bench_steps.log gpu_tests.log)" ] || fail "gpu-check PARTS: logs ($(ls "$work/check2"))"
+grep -q "ran $work/pack/moeut_gpu_tests" "$work/check2/gpu_tests.log" &&
+  grep -q "ran $work/pack/moeut-bench --config $root/configs/244M.cfg --batch 32" "$work/check2/bench_steps.log" ||
+  fail "gpu-check PARTS: programs not from the pack"
+if out=$(OUT="$work/check3" BIN="$work/pack" PARTS="tests table" "$root/launch/gpu-check.sh" 2>&1); then
+  fail "gpu-check: an unknown part ran ($out)"
+fi
+grep -q "unknown part 'table'" <<< "$out" || fail "gpu-check: no message for an unknown part ($out)"
+echo "gpu-check.sh: every step from BIN, the four training steps in one log, 6 logs, PARTS on a pack: ok"
