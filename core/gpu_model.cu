@@ -30,7 +30,8 @@ using cuda::check_cublas;
 }  // namespace
 
 struct GpuModel::Layer {
-  DeviceBuffer<bf16> q, k, heads, x_midb, hidden;
+  // qk: q's and k's rows side by side, [N, 2·H·dh], as one product writes them.
+  DeviceBuffer<bf16> qk, heads, x_midb, hidden;
   // The value experts' unweighted rows, one per selection [N·H·ka, dh] (see cuda::at_selections):
   // the values are summed from them when needed, and their routing-weight gradient dots them.
   DeviceBuffer<bf16> v_sel;
@@ -76,7 +77,8 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   for (Layer& L : layers_) {
     for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) *plan = planner_->make_buffers();
     L.x_midb = DeviceBuffer<bf16>(size_t(N * d));
-    for (auto* b : {&L.q, &L.k, &L.heads}) *b = DeviceBuffer<bf16>(size_t(N * hd));
+    L.qk = DeviceBuffer<bf16>(size_t(N * 2 * hd));
+    L.heads = DeviceBuffer<bf16>(size_t(N * hd));
     L.v_sel = DeviceBuffer<bf16>(size_t(N * hk * cfg_.d_head));
     L.hidden = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
     if (dispatcher_) {
@@ -285,18 +287,17 @@ void GpuModel::attention_forward(int64_t l) {
   planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, side_->get());
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
-  dense(xn_.get(), p + "attention.q.weight", N, hd, s, L.q.get(), CUDA_R_16BF);
-  dense(xn_.get(), p + "attention.k.weight", N, hd, s, L.k.get(), CUDA_R_16BF);
+  // q and k (adjacent in the layout) in one product; their 2·H heads side by side take RoPE alike.
+  dense(xn_.get(), p + "attention.q.weight", N, 2 * hd, s, L.qk.get(), CUDA_R_16BF);
   mark(Part::kAttention);
-  cuda::rope_forward(L.q.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
-  cuda::rope_forward(L.k.get(), B_, T, H, dh, cfg_.rope_dims(), stream_);
+  cuda::rope_forward(L.qk.get(), B_, T, 2 * H, dh, cfg_.rope_dims(), stream_);
   mark(Part::kExperts);
   side_->join();
   cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()), {xb_.get(), wparam(p + "attention.v"), nullptr, L.v_sel.get(),
                                                          nullptr, nullptr, nullptr, d, dh, false, false}, stream_);
   cuda::cvmm_sum_selections(v_.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
   mark(Part::kAttention);
-  attention_->forward(L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), v_.get(), stream_);
+  attention_->forward(L.heads.get(), L.lse.get(), L.qk.get(), L.qk.get() + hd, v_.get(), stream_, 2 * hd);
   mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
                                      nullptr, dh, d, false, true, N}, stream_);
@@ -586,8 +587,8 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kExperts);
   cuda::cvmm_sum_selections(v_.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
   mark(Part::kAttention);
-  attention_->backward(dq, dk, dv_.get(), dheads_f32_.get(), L.heads.get(), L.lse.get(), L.q.get(), L.k.get(), v_.get(),
-                       stream_, attn_in_ld_, s);
+  attention_->backward(dq, dk, dv_.get(), dheads_f32_.get(), L.heads.get(), L.lse.get(), L.qk.get(), L.qk.get() + hd,
+                       v_.get(), stream_, attn_in_ld_, s, 2 * hd);
   // Value experts read the raw residual: their input gradient adds onto dres. Their routing-weight
   // gradient dots dv with each selection's kept row.
   mark(Part::kExperts);
@@ -602,8 +603,7 @@ void GpuModel::attention_backward(int64_t l) {
   cuda::cvmm_selection_dots(dw_.get(), L.v_sel.get(), dv_.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
   routing_grad(L.zv.get(), L.iv.get(), L.wv.get(), H, Ea, ka, dz_v, attn_in_ld_);
   mark(Part::kAttention);
-  cuda::rope_backward(dq, B_, T, H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);
-  cuda::rope_backward(dk, B_, T, H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);
+  cuda::rope_backward(dq, B_, T, 2 * H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);  // dq and dk's 2·H heads
   mark(Part::kDense);
   // The input gradient is one product over all four.
   dense_input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get() + (l % cfg_.group_size) * attn_in_ld_ * d,

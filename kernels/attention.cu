@@ -167,10 +167,11 @@ __host__ inline unsigned flash_blocks(int64_t B, int64_t T, int64_t H) {
   return unsigned((T + kFlashBlockRows - 1) / kFlashBlockRows * B * H);
 }
 // A flash block's (sequence, head) and its rank among that head's `tiles` blocks of 128 rows (0:
-// the longest, see flash_block), with where the head's rows start in the [B, T, H, dh] tensors.
+// the longest, see flash_block), with where the head's rows start in the [B, T, H, dh] tensors
+// (q and k: in theirs, whose token rows are qk_ld elements apart).
 struct FlashHead {
   int tiles, rank, bh, b, h;
-  int64_t ld, base;
+  int64_t ld, base, qk_ld, qk_base;
   // In the forward pass: the block's first query row (rank 0 takes the last query block, which
   // attends to the most keys), and the last key tile of `key_rows` rows that its rows see.
   __device__ int forward_rows() const { return (tiles - 1 - rank) * kFlashBlockRows; }
@@ -178,34 +179,38 @@ struct FlashHead {
     return min(T - 1, forward_rows() + kFlashBlockRows - 1) / key_rows;
   }
 };
-__device__ __forceinline__ FlashHead flash_head(int T, int H, int dh) {
+__device__ __forceinline__ FlashHead flash_head(int T, int H, int dh, int64_t qk_ld) {
   const int tiles = (T + kFlashBlockRows - 1) / kFlashBlockRows;
   const FlashBlock blk = flash_block(tiles, int(gridDim.x) / tiles);
   const int b = blk.bh / H, h = blk.bh % H;
   const int64_t ld = int64_t(H) * dh;
-  return {tiles, blk.rank, blk.bh, b, h, ld, int64_t(b) * T * ld + int64_t(h) * dh};
+  return {tiles, blk.rank, blk.bh, b, h, ld, int64_t(b) * T * ld + int64_t(h) * dh,
+          qk_ld, int64_t(b) * T * qk_ld + int64_t(h) * dh};
 }
-// Whether the head's rows in every tensor given allow 16-byte copies.
+// Whether the head's rows in q, k and every other tensor given allow 16-byte copies.
 template <class... Tensors>
-__device__ __forceinline__ bool rows_16_bytes(const FlashHead& f, int dh, const Tensors*... x) {
-  return dh % 8 == 0 && f.ld % 8 == 0 && ((reinterpret_cast<uintptr_t>(x + f.base) % 16 == 0) && ...);
+__device__ __forceinline__ bool rows_16_bytes(const FlashHead& f, int dh, const bf16* q, const bf16* k,
+                                              const Tensors*... x) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return dh % 8 == 0 && f.ld % 8 == 0 && f.qk_ld % 8 == 0 && aligned(q + f.qk_base) && aligned(k + f.qk_base) &&
+         (aligned(x + f.base) && ...);
 }
 
 template <int kD>
 __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k,
-                                                                   const bf16* v, int T, int H, int dh) {
+                                                                   const bf16* v, int T, int H, int dh, int64_t qk_ld) {
   constexpr int kStride = kD + 8, kTile = kFlashTileRows * kStride;
   extern __shared__ __align__(16) unsigned char flash_smem[];
   bf16* Qs = reinterpret_cast<bf16*>(flash_smem);    // [128][kStride]
   bf16* Ks = Qs + kFlashBlockRows * kStride;          // [2][64][kStride]
   bf16* Vs = Ks + 2 * kTile;                          // [2][64][kStride]
-  const FlashHead f = flash_head(T, H, dh);
+  const FlashHead f = flash_head(T, H, dh, qk_ld);
   const int bh = f.bh, q0 = f.forward_rows(), last_kt = f.last_key_tile(T, kFlashTileRows);
-  const int64_t ld = f.ld, base = f.base;
+  const int64_t ld = f.ld, base = f.base, qk_base = f.qk_base;
   const bool vec = rows_16_bytes(f, dh, q, k, v);
 
-  load_head_tile<kD, kFlashBlockRows>(Qs, q + base, ld, q0, T, dh, vec);
-  load_head_tile<kD, kFlashTileRows>(Ks, k + base, ld, 0, T, dh, vec);
+  load_head_tile<kD, kFlashBlockRows>(Qs, q + qk_base, qk_ld, q0, T, dh, vec);
+  load_head_tile<kD, kFlashTileRows>(Ks, k + qk_base, qk_ld, 0, T, dh, vec);
   load_head_tile<kD, kFlashTileRows>(Vs, v + base, ld, 0, T, dh, vec);
   asm volatile("cp.async.commit_group;\n" ::);
 
@@ -219,7 +224,7 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
   for (int kt = 0; kt <= last_kt; ++kt) {
     const int buf = kt & 1, key0 = kt * kFlashTileRows;
     if (kt < last_kt) {  // the next key tile streams in while this one is used
-      load_head_tile<kD, kFlashTileRows>(Ks + (buf ^ 1) * kTile, k + base, ld, key0 + kFlashTileRows, T, dh, vec);
+      load_head_tile<kD, kFlashTileRows>(Ks + (buf ^ 1) * kTile, k + qk_base, qk_ld, key0 + kFlashTileRows, T, dh, vec);
       load_head_tile<kD, kFlashTileRows>(Vs + (buf ^ 1) * kTile, v + base, ld, key0 + kFlashTileRows, T, dh, vec);
     }
     asm volatile("cp.async.commit_group;\n" ::);
@@ -333,18 +338,19 @@ __device__ void load_swizzled_tile(unsigned char* tile, const bf16* src, int64_t
 }
 
 __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, float* lse, const bf16* q, const bf16* k,
-                                                                      const bf16* v, int T, int H, int dh) {
+                                                                      const bf16* v, int T, int H, int dh,
+                                                                      int64_t qk_ld) {
   extern __shared__ __align__(16) unsigned char flash_smem[];
   unsigned char* const Qs = flash_smem + (1024 - smem_u32(flash_smem) % 1024) % 1024;  // slabs 1024-aligned
   unsigned char* const Ks = Qs + kWgTile;       // [2] tiles
   unsigned char* const Vs = Ks + 2 * kWgTile;   // [2] tiles
-  const FlashHead f = flash_head(T, H, dh);
+  const FlashHead f = flash_head(T, H, dh, qk_ld);
   const int bh = f.bh, q0 = f.forward_rows(), last_kt = f.last_key_tile(T, kWgKeys);
-  const int64_t ld = f.ld, base = f.base;
+  const int64_t ld = f.ld, base = f.base, qk_base = f.qk_base;
   const bool vec = rows_16_bytes(f, dh, q, k, v);
 
-  load_swizzled_tile<128>(Qs, q + base, ld, q0, T, dh, vec);
-  load_swizzled_tile<128>(Ks, k + base, ld, 0, T, dh, vec);
+  load_swizzled_tile<128>(Qs, q + qk_base, qk_ld, q0, T, dh, vec);
+  load_swizzled_tile<128>(Ks, k + qk_base, qk_ld, 0, T, dh, vec);
   load_swizzled_tile<128>(Vs, v + base, ld, 0, T, dh, vec);
   asm volatile("cp.async.commit_group;\n" ::);
 
@@ -366,7 +372,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
     wgmma::fence_shared_for_async();
     __syncthreads();
     if (kt < last_kt) {  // the next key tile streams in while this one is used
-      load_swizzled_tile<128>(Ks + (buf ^ 1) * kWgTile, k + base, ld, key0 + kWgKeys, T, dh, vec);
+      load_swizzled_tile<128>(Ks + (buf ^ 1) * kWgTile, k + qk_base, qk_ld, key0 + kWgKeys, T, dh, vec);
       load_swizzled_tile<128>(Vs + (buf ^ 1) * kWgTile, v + base, ld, key0 + kWgKeys, T, dh, vec);
     }
     asm volatile("cp.async.commit_group;\n" ::);
@@ -557,7 +563,7 @@ template <int kD>
 __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout,
                                                                  const float* lse, const float* D, const bf16* q,
                                                                  const bf16* k, const bf16* v, int T, int H, int dh,
-                                                                 int64_t grad_ld, float grad_scale) {
+                                                                 int64_t grad_ld, float grad_scale, int64_t qk_ld) {
   constexpr int kStride = kD + 8, kTile = kFlashTileRows * kStride, kSStride = kFlashTileRows + 8;
   extern __shared__ __align__(16) unsigned char flash_smem[];
   bf16* Ks = reinterpret_cast<bf16*>(flash_smem);  // [128][kStride]
@@ -569,14 +575,14 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
   float* Ds = Ls + 2 * kFlashTileRows;                                     // [2][64]
 
   const int tiles = (T + kFlashTileRows - 1) / kFlashTileRows;
-  const FlashHead f = flash_head(T, H, dh);
+  const FlashHead f = flash_head(T, H, dh, qk_ld);
   const int kt = f.rank, bh = f.bh, b = f.b, h = f.h;  // the first key tile meets the most queries
-  const int64_t ld = f.ld, base = f.base;
+  const int64_t ld = f.ld, base = f.base, qk_base = f.qk_base;
   const bool vec = rows_16_bytes(f, dh, q, k, v, dout);
   const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
   const int k0 = kt * kFlashBlockRows, first_qt = k0 / kFlashTileRows;
   auto load_query_tile = [&](int buf, int qt) {
-    load_head_tile<kD, kFlashTileRows>(Qs + buf * kTile, q + base, ld, qt * kFlashTileRows, T, dh, vec);
+    load_head_tile<kD, kFlashTileRows>(Qs + buf * kTile, q + qk_base, qk_ld, qt * kFlashTileRows, T, dh, vec);
     load_head_tile<kD, kFlashTileRows>(dOs + buf * kTile, dout + base, ld, qt * kFlashTileRows, T, dh, vec);
     for (int r = threadIdx.x; r < kFlashTileRows; r += kFlashThreads) {  // rows past T: finite, contribute 0
       const int t = qt * kFlashTileRows + r;
@@ -584,7 +590,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
       Ds[buf * kFlashTileRows + r] = t < T ? D[int64_t(bh) * T + t] : 0.f;
     }
   };
-  load_head_tile<kD, kFlashBlockRows>(Ks, k + base, ld, k0, T, dh, vec);
+  load_head_tile<kD, kFlashBlockRows>(Ks, k + qk_base, qk_ld, k0, T, dh, vec);
   load_head_tile<kD, kFlashBlockRows>(Vs, v + base, ld, k0, T, dh, vec);
   load_query_tile(0, first_qt);
   asm volatile("cp.async.commit_group;\n" ::);
@@ -713,7 +719,7 @@ constexpr size_t kWgBackwardSmem =
 __global__ void __launch_bounds__(kWgThreads, 1)
     flash_backward_wgmma(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const float* lse, const float* D,
                          const bf16* q, const bf16* k, const bf16* v, int T, int H, int dh, int64_t grad_ld,
-                         float grad_scale) {
+                         float grad_scale, int64_t qk_ld) {
   extern __shared__ __align__(16) unsigned char flash_smem[];
   unsigned char* const Ks = flash_smem + (1024 - smem_u32(flash_smem) % 1024) % 1024;  // slabs 1024-aligned
   unsigned char* const Vs = Ks + kWgTile;
@@ -724,14 +730,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   float* const Ds = Ls + 2 * kWgQueries;                          // [2][64]
 
   const int tiles = (T + kWgQueries - 1) / kWgQueries;
-  const FlashHead f = flash_head(T, H, dh);
+  const FlashHead f = flash_head(T, H, dh, qk_ld);
   const int bh = f.bh;
-  const int64_t ld = f.ld, base = f.base;
+  const int64_t ld = f.ld, base = f.base, qk_base = f.qk_base;
   const bool vec = rows_16_bytes(f, dh, q, k, v, dout);
   const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
   const int k0 = f.rank * kFlashBlockRows, first_qt = k0 / kWgQueries;  // rank 0 meets the most queries
   auto load_query_tile = [&](int buf, int qt) {
-    load_swizzled_tile<kWgQueries>(Qs + buf * kWgQueryTile, q + base, ld, qt * kWgQueries, T, dh, vec);
+    load_swizzled_tile<kWgQueries>(Qs + buf * kWgQueryTile, q + qk_base, qk_ld, qt * kWgQueries, T, dh, vec);
     load_swizzled_tile<kWgQueries>(dOs + buf * kWgQueryTile, dout + base, ld, qt * kWgQueries, T, dh, vec);
     for (int r = threadIdx.x; r < kWgQueries; r += kWgThreads) {  // rows past T: finite, contribute 0
       const int t = qt * kWgQueries + r;
@@ -739,7 +745,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       Ds[buf * kWgQueries + r] = t < T ? D[int64_t(bh) * T + t] : 0.f;
     }
   };
-  load_swizzled_tile<128>(Ks, k + base, ld, k0, T, dh, vec);
+  load_swizzled_tile<128>(Ks, k + qk_base, qk_ld, k0, T, dh, vec);
   load_swizzled_tile<128>(Vs, v + base, ld, k0, T, dh, vec);
   load_query_tile(0, first_qt);
   asm volatile("cp.async.commit_group;\n" ::);
@@ -819,14 +825,16 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
 template <int kD>
 void launch_flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T,
-                          int64_t H, int64_t dh, cudaStream_t stream) {
+                          int64_t H, int64_t dh, int64_t qk_ld, cudaStream_t stream) {
   if constexpr (kD == 128) {  // head sizes 97..128: on wgmma
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWgSmem)));
-    flash_forward_wgmma<<<flash_blocks(B, T, H), kWgThreads, kWgSmem, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh));
+    flash_forward_wgmma<<<flash_blocks(B, T, H), kWgThreads, kWgSmem, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh),
+                                                                                qk_ld);
   } else {
     const size_t bytes = sizeof(bf16) * (kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8);
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    flash_forward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh));
+    flash_forward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh),
+                                                                                qk_ld);
   }
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
@@ -834,19 +842,19 @@ void launch_flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k, c
 template <int kD>
 void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const float* lse, const float* D,
                            const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T, int64_t H, int64_t dh,
-                           int64_t grad_ld, float grad_scale, cudaStream_t stream) {
+                           int64_t grad_ld, float grad_scale, int64_t qk_ld, cudaStream_t stream) {
   if constexpr (kD == 128) {  // head sizes 97..128: on wgmma
     MOEUT_CUDA_CHECK(
         cudaFuncSetAttribute(flash_backward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWgBackwardSmem)));
     flash_backward_wgmma<<<flash_blocks(B, T, H), kWgThreads, kWgBackwardSmem, stream>>>(
-        dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H), int(dh), grad_ld, grad_scale);
+        dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H), int(dh), grad_ld, grad_scale, qk_ld);
   } else {
     const size_t bytes = sizeof(bf16) * ((2 * kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8) +
                                          kFlashBlockRows * (kFlashTileRows + 8)) +
                          sizeof(float) * 4 * kFlashTileRows;
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_backward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
     flash_backward<kD><<<flash_blocks(B, T, H), kFlashThreads, bytes, stream>>>(
-        dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H), int(dh), grad_ld, grad_scale);
+        dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H), int(dh), grad_ld, grad_scale, qk_ld);
   }
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
@@ -873,25 +881,35 @@ void CausalAttention::set_batch(int64_t B) {
 
 // Row-major [T, dh] head matrices with row stride H·dh are column-major [dh, T] with ld H·dh;
 // a row-major [T, T] score matrix is the column-major transpose. Hence the operand order below.
-void CausalAttention::scores_and_probs(const bf16* q, const bf16* k, cudaStream_t stream) {
+void CausalAttention::scores_and_probs(const bf16* q, const bf16* k, int64_t qk_ld, cudaStream_t stream) {
   check_cublas(cublasSetStream(cublas_, stream), "cublasSetStream");
   if (B_ == 0) return;
-  const int64_t ld = H_ * dh_, seq = T_ * ld, tt = T_ * T_;
+  const int64_t qk_seq = T_ * qk_ld, tt = T_ * T_;
   for (int64_t b = 0; b < B_; ++b)  // S = Q Kᵀ  <=>  Sᵀ(cm) = Kᵀ(cm)ᵀ · Qᵀ(cm)
-    batched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, T_, T_, dh_, k + b * seq, CUDA_R_16BF, ld, dh_, q + b * seq, ld, dh_,
-            scores_.get() + b * H_ * tt, CUDA_R_32F, T_, tt, H_);
+    batched(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, T_, T_, dh_, k + b * qk_seq, CUDA_R_16BF, qk_ld, dh_, q + b * qk_seq,
+            qk_ld, dh_, scores_.get() + b * H_ * tt, CUDA_R_32F, T_, tt, H_);
   const int64_t rows = B_ * H_ * T_;
   causal_softmax<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(probs_.get(), scores_.get(), rows, int(T_));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-void CausalAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream) {
+int64_t CausalAttention::qk_row_stride(int64_t qk_ld) const {
+  if (qk_ld == 0) return H_ * dh_;
+  if (qk_ld < H_ * dh_) throw std::invalid_argument("CausalAttention: q and k rows narrower than the heads");
+  return qk_ld;
+}
+
+void CausalAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream,
+                              int64_t qk_ld) {
   if (B_ == 0) return;
+  qk_ld = qk_row_stride(qk_ld);
   if (flash()) {
-    with_ceiling<32, 64, 96, 128>(dh_, [&](auto kD) { launch_flash_forward<kD>(out, lse, q, k, v, B_, T_, H_, dh_, stream); });
+    with_ceiling<32, 64, 96, 128>(dh_, [&](auto kD) {
+      launch_flash_forward<kD>(out, lse, q, k, v, B_, T_, H_, dh_, qk_ld, stream);
+    });
     return;
   }
-  scores_and_probs(q, k, stream);
+  scores_and_probs(q, k, qk_ld, stream);
   const int64_t ld = H_ * dh_, seq = T_ * ld, tt = T_ * T_;
   for (int64_t b = 0; b < B_; ++b)  // O = P V  <=>  Oᵀ(cm) = Vᵀ(cm) · Pᵀ(cm)
     batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, dh_, T_, T_, v + b * seq, CUDA_R_16BF, ld, dh_,
@@ -900,8 +918,9 @@ void CausalAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* 
 
 void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const float* dout, const bf16* out, const float* lse,
                                const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream, int64_t grad_ld,
-                               float grad_scale) {
+                               float grad_scale, int64_t qk_ld) {
   if (B_ == 0) return;
+  qk_ld = qk_row_stride(qk_ld);
   if (grad_ld == 0) grad_ld = H_ * dh_;
   if (grad_ld < H_ * dh_) throw std::invalid_argument("CausalAttention: gradient rows narrower than the heads");
   if (flash()) {
@@ -914,7 +933,7 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const float* dout, 
     MOEUT_CUDA_CHECK(cudaMemsetAsync(dq_acc_.get(), 0, size_t(n) * sizeof(float), stream));
     with_ceiling<32, 64, 96, 128>(dh_, [&](auto kD) {
       launch_flash_backward<kD>(dk, dv, dq_acc_.get(), dout_.get(), lse, row_dots_.get(), q, k, v, B_, T_, H_, dh_,
-                                grad_ld, grad_scale, stream);
+                                grad_ld, grad_scale, qk_ld, stream);
     });
     const int64_t tokens = B_ * T_, hd = H_ * dh_;
     const bool quads = hd % 4 == 0 && grad_ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq) % 8 == 0;
@@ -923,8 +942,8 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const float* dout, 
     MOEUT_CUDA_CHECK(cudaGetLastError());
     return;
   }
-  scores_and_probs(q, k, stream);
-  const int64_t ld = H_ * dh_, seq = T_ * ld, tt = T_ * T_;
+  scores_and_probs(q, k, qk_ld, stream);
+  const int64_t ld = H_ * dh_, seq = T_ * ld, qk_seq = T_ * qk_ld, tt = T_ * T_;
   to_bf16(dout_.get(), dout, B_ * seq, stream);
   float* dP = scores_.get();
   for (int64_t b = 0; b < B_; ++b) {
@@ -941,10 +960,10 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const float* dout, 
   const bf16* dS = probs_.get();
   for (int64_t b = 0; b < B_; ++b) {
     // dQ = dS K  <=>  dQᵀ(cm) = Kᵀ(cm) · dSᵀ(cm);  dK = dSᵀ Q  <=>  dKᵀ(cm) = Qᵀ(cm) · dS(cm)
-    batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, dh_, T_, T_, k + b * seq, CUDA_R_16BF, ld, dh_, dS + b * H_ * tt, T_, tt,
-            dq + b * T_ * grad_ld, CUDA_R_16BF, grad_ld, dh_, H_, grad_scale);
-    batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, dh_, T_, T_, q + b * seq, CUDA_R_16BF, ld, dh_, dS + b * H_ * tt, T_, tt,
-            dk + b * T_ * grad_ld, CUDA_R_16BF, grad_ld, dh_, H_, grad_scale);
+    batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, dh_, T_, T_, k + b * qk_seq, CUDA_R_16BF, qk_ld, dh_, dS + b * H_ * tt, T_,
+            tt, dq + b * T_ * grad_ld, CUDA_R_16BF, grad_ld, dh_, H_, grad_scale);
+    batched(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, dh_, T_, T_, q + b * qk_seq, CUDA_R_16BF, qk_ld, dh_, dS + b * H_ * tt, T_,
+            tt, dk + b * T_ * grad_ld, CUDA_R_16BF, grad_ld, dh_, H_, grad_scale);
   }
 }
 

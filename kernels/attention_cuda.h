@@ -16,14 +16,15 @@ namespace moeut::cuda {
 
 class CausalAttention {
  public:
-  // q, k, v, out: bf16 [B, T, H, dh]; scale 1 (folded into q and k by the caller). The
-  // workspace is sized for B sequences; set_batch runs later calls on fewer.
+  // q, k, v, out: bf16 [B, T, H, dh]; scale 1 (folded into q and k by the caller). q's and k's
+  // token rows are qk_ld elements apart (0: H·dh), so that one product can write them side by
+  // side. The workspace is sized for B sequences; set_batch runs later calls on fewer.
   CausalAttention(cublasHandle_t cublas, int64_t B, int64_t T, int64_t H, int64_t dh);
   void set_batch(int64_t B);
   // lse [B, H, T] (fp32): written by the flash forward for its backward (log2 of each row's
   // softmax denominator); unused above head size 128.
   void forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-               cudaStream_t stream);
+               cudaStream_t stream, int64_t qk_ld = 0);
   // Overwrites dq, dk, dv. dout: the output's gradient in fp32 (as the output experts' input
   // gradient accumulates it); its bf16 copy, which the products read, is made in the same pass as
   // the softmax gradient's row terms. out and lse: the forward's. dq and dk come multiplied by
@@ -31,11 +32,13 @@ class CausalAttention {
   // (0: H·dh), so that a caller can place them side by side in one matrix.
   void backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const float* dout,
                 const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                const __nv_bfloat16* v, cudaStream_t stream, int64_t grad_ld = 0, float grad_scale = 1.f);
+                const __nv_bfloat16* v, cudaStream_t stream, int64_t grad_ld = 0, float grad_scale = 1.f,
+                int64_t qk_ld = 0);
 
  private:
   bool flash() const { return dh_ <= 128; }
-  void scores_and_probs(const __nv_bfloat16* q, const __nv_bfloat16* k, cudaStream_t stream);
+  int64_t qk_row_stride(int64_t qk_ld) const;  // qk_ld checked, 0 resolved
+  void scores_and_probs(const __nv_bfloat16* q, const __nv_bfloat16* k, int64_t qk_ld, cudaStream_t stream);
 
   cublasHandle_t cublas_;
   int64_t capacity_, B_, T_, H_, dh_;

@@ -319,6 +319,22 @@ TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {
     EXPECT_LE(rel_error(columns(dqk, ld, 0, hd), half_dq), 1e-2) << "dq, scaled, rows ld apart";
     EXPECT_LE(rel_error(columns(dqk, ld, hd, hd), half_dk), 1e-2) << "dk, scaled, rows ld apart";
     for (float v : columns(dqk, ld, 2 * hd, 8)) EXPECT_TRUE(std::isnan(v)) << "columns past dq and dk";
+    // q and k read side by side from one matrix, rows qk_ld apart (as one product writes them),
+    // beside poisoned columns that must not be read.
+    const int64_t qk_ld = 2 * hd + 8;
+    std::vector<float> qk(size_t(c.B * c.T * qk_ld), NAN);
+    for (int64_t r = 0; r < c.B * c.T; ++r) {
+      std::copy(q.begin() + r * hd, q.begin() + (r + 1) * hd, qk.begin() + r * qk_ld);
+      std::copy(k.begin() + r * hd, k.begin() + (r + 1) * hd, qk.begin() + r * qk_ld + hd);
+    }
+    const DeviceBuffer<bf16> gqk(to_bf16(qk));
+    DeviceBuffer<bf16> gout2(poison), gdq2(poison), gdk2(poison);
+    att.forward(gout2.get(), lse.get(), gqk.get(), gqk.get() + hd, gv.get(), 0, qk_ld);
+    att.backward(gdq2.get(), gdk2.get(), gdv.get(), gdout.get(), gout2.get(), lse.get(), gqk.get(), gqk.get() + hd,
+                 gv.get(), 0, 0, 1.f, qk_ld);
+    EXPECT_LE(rel_error(to_float(gout2.download()), out), 1e-2) << "output, q and k rows qk_ld apart";
+    EXPECT_LE(rel_error(to_float(gdq2.download()), dq), 1e-2) << "dq, q and k rows qk_ld apart";
+    EXPECT_LE(rel_error(to_float(gdk2.download()), dk), 1e-2) << "dk, q and k rows qk_ld apart";
   }
   cublasDestroy(cublas);
 }
