@@ -280,10 +280,12 @@ void GpuModel::attention_forward(int64_t l) {
   cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
                           d, stream_, xb_.get(), L.x_mid.get());
   // The value and output routers (adjacent in the layout) in one product. Their top-ks and plans,
-  // small kernels bound by latency, run on the side stream beside q, k and RoPE.
+  // small kernels bound by latency, run on the side stream beside q, k and RoPE; the output
+  // experts' plan, needed only after the attention, is built beside the value experts too.
   route(xn_.get(), p + "attention.sel_v",
         {{H, Ea, ka, L.zv.get(), L.iv.get(), L.wv.get()}, {H, Ea, ka, L.zo.get(), L.io.get(), L.wo.get()}}, true);
   planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, side_->get());
+  side_->mark();
   planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, side_->get());
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
@@ -292,13 +294,14 @@ void GpuModel::attention_forward(int64_t l) {
   mark(Part::kAttention);
   cuda::rope_forward(L.qk.get(), B_, T, 2 * H, dh, cfg_.rope_dims(), stream_);
   mark(Part::kExperts);
-  side_->join();
+  side_->join_marked();
   cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()), {xb_.get(), wparam(p + "attention.v"), nullptr, L.v_sel.get(),
                                                          nullptr, nullptr, nullptr, d, dh, false, false}, stream_);
   cuda::cvmm_sum_selections(v_.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
   mark(Part::kAttention);
   attention_->forward(L.heads.get(), L.lse.get(), L.qk.get(), L.qk.get() + hd, v_.get(), stream_, 2 * hd);
   mark(Part::kExperts);
+  side_->join();
   cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
                                      nullptr, dh, d, false, true, N}, stream_);
 }

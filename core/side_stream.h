@@ -13,8 +13,10 @@ class SideStream {
     MOEUT_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     MOEUT_CUDA_CHECK(cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming));
     MOEUT_CUDA_CHECK(cudaEventCreateWithFlags(&joined_, cudaEventDisableTiming));
+    MOEUT_CUDA_CHECK(cudaEventCreateWithFlags(&marked_, cudaEventDisableTiming));
   }
   ~SideStream() {
+    cudaEventDestroy(marked_);
     cudaEventDestroy(joined_);
     cudaEventDestroy(forked_);
     cudaStreamDestroy(side_);
@@ -33,10 +35,15 @@ class SideStream {
     MOEUT_CUDA_CHECK(cudaEventRecord(joined_, side_));
     MOEUT_CUDA_CHECK(cudaStreamWaitEvent(main_, joined_));
   }
+  // A join in two halves, for a main stream that needs the side's work in stages: mark() notes
+  // the work queued on the side stream so far; after join_marked(), work queued on the main
+  // stream starts after that work, not after what was queued on the side since.
+  void mark() { MOEUT_CUDA_CHECK(cudaEventRecord(marked_, side_)); }
+  void join_marked() { MOEUT_CUDA_CHECK(cudaStreamWaitEvent(main_, marked_)); }
 
  private:
   cudaStream_t main_, side_ = nullptr;
-  cudaEvent_t forked_ = nullptr, joined_ = nullptr;
+  cudaEvent_t forked_ = nullptr, joined_ = nullptr, marked_ = nullptr;
 };
 
 }  // namespace moeut
