@@ -366,13 +366,12 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
     attention_forward(l);
     ffn_forward(l);
   }
-  mark(Part::kOther);
-  cuda::layernorm_forward(xf_.get(), mean_f_.get(), rstd_f_.get(), xs_.back().get(), wparam("out_norm.weight"),
-                          wparam("out_norm.bias"), N, d, stream_);
-
   // Regularisers over the R uses of each physical layer (their logit gradients are kept for the
-  // backward pass).
+  // backward pass), on the side stream: the output LayerNorm and the LM head beside them need
+  // none of their work, and the backward pass none of it before the join below.
+  mark(Part::kRouting);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(reg_loss_.get(), 0, 2 * sizeof(double), stream_));
+  side_->fork();
   const int64_t G = cfg_.group_size, R = cfg_.repeats();
   for (int64_t g = 0; g < (pass == Pass::kEvaluate ? 0 : G); ++g) {
     std::vector<const float*> zf, zv, zo;
@@ -383,16 +382,20 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       zv.push_back(L.zv.get()); dzv.push_back(L.zv.get());
       zo.push_back(L.zo.get()); dzo.push_back(L.zo.get());
     }
-    mark(Part::kRouting);
-    reg_ffn_->forward_backward(dzf, zf, T, weight * cfg_.entropy_reg, reg_loss_.get(), stream_);
-    reg_att_->forward_backward(dzv, zv, T, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, stream_);
-    reg_att_->forward_backward(dzo, zo, T, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, stream_);
+    reg_ffn_->forward_backward(dzf, zf, T, weight * cfg_.entropy_reg, reg_loss_.get(), side_->get());
+    reg_att_->forward_backward(dzv, zv, T, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, side_->get());
+    reg_att_->forward_backward(dzo, zo, T, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, side_->get());
   }
+  mark(Part::kOther);
+  cuda::layernorm_forward(xf_.get(), mean_f_.get(), rstd_f_.get(), xs_.back().get(), wparam("out_norm.weight"),
+                          wparam("out_norm.bias"), N, d, stream_);
   // The cross-entropy gradient starts the backward pass at the output LayerNorm.
   mark(Part::kDense);
   head_->run(row_loss_.get(), backward ? dxf_.get() : nullptr, gparam("lm_head.weight"), gparam("lm_head.bias"),
              xf_.get(), wparam("lm_head.weight"), wparam("lm_head.bias"), targets_.get(), N, float(weight / double(N)),
              stream_);
+  mark(Part::kRouting);
+  side_->join();
   if (backward) {
     mark(Part::kOther);
     MOEUT_CUDA_CHECK(cudaMemsetAsync(dres_.get(), 0, dres_.size() * sizeof(float), stream_));
