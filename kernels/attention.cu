@@ -879,8 +879,9 @@ void CausalAttention::set_batch(int64_t B) {
   B_ = B;
 }
 
-// Row-major [T, dh] head matrices with row stride H·dh are column-major [dh, T] with ld H·dh;
-// a row-major [T, T] score matrix is the column-major transpose. Hence the operand order below.
+// Row-major [T, dh] head matrices with row stride H·dh (qk_ld for q and k) are column-major
+// [dh, T] with that ld; a row-major [T, T] score matrix is the column-major transpose. Hence the
+// operand order below.
 void CausalAttention::scores_and_probs(const bf16* q, const bf16* k, int64_t qk_ld, cudaStream_t stream) {
   check_cublas(cublasSetStream(cublas_, stream), "cublasSetStream");
   if (B_ == 0) return;
