@@ -61,8 +61,6 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   check_cublas(cublasCreate(&cublas_), "cublasCreate");
   check_cublas(cublasSetStream(cublas_, stream_), "cublasSetStream");
   side_ = std::make_unique<SideStream>(stream_);
-  check_cublas(cublasCreate(&cublas_side_), "cublasCreate");
-  check_cublas(cublasSetStream(cublas_side_, side_->get()), "cublasSetStream");
   const int64_t T = cfg_.context, N = batch * T, d = cfg_.d_model, H = cfg_.n_heads;
   const int64_t hd = H * cfg_.d_head, he = H * cfg_.att_n_experts, hk = H * cfg_.att_k;
   const int64_t Ef = layout_.shard().count, kf = cfg_.ff_k, total = layout_.total();
@@ -192,7 +190,6 @@ std::array<double, size_t(GpuModel::Part::kCount)> GpuModel::take_profile() {
 GpuModel::~GpuModel() {
   for (auto& m : marks_) cudaEventDestroy(m.first);
   for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
-  if (cublas_side_) cublasDestroy(cublas_side_);
   if (cublas_) cublasDestroy(cublas_);
   if (own_stream_) cudaStreamDestroy(stream_);
 }
@@ -409,7 +406,6 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       ffn_backward(l);
       attention_backward(l);
     }
-    side_->join();  // the first layer's dense weight gradients
     mark(Part::kOther);
     cuda::embedding_backward(gparam("embedding.weight"), dres_.get(), inputs_.get(), N, d, stream_);
     fold_router_grads();
@@ -431,8 +427,7 @@ void GpuModel::dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, f
   const int64_t d = cfg_.d_model;
   const float one = 1.f;
   // dW [out, d] += dyᵀ x  <=>  cm [d, out] += x(cm [d, rows]) · dy(cm [out, rows])ᵀ
-  side_->fork();
-  check_cublas(cublasGemmEx(cublas_side_, CUBLAS_OP_N, CUBLAS_OP_T, int(d), int(out), int(rows), &one, x, CUDA_R_16BF, int(d),
+  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(d), int(out), int(rows), &one, x, CUDA_R_16BF, int(d),
                             dy, CUDA_R_16BF, int(dy_ld), &one, dW, CUDA_R_32F, int(d), CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT),
                "dense weight gradient");
@@ -498,13 +493,10 @@ void GpuModel::ffn_backward(int64_t l) {
   dense_input_grad(dzb_.get(), ld, router_weight(p + "ffn.expert_sel"), ld, N, dxn_.get());
   mark(Part::kOther);
   // LN2's backward also writes LN2's output again (bit for bit the forward's) into xn_, for the
-  // router's weight gradient; the side stream's readers of xn_ (the layer above's dense weight
-  // gradients) finish first.
-  side_->join();
+  // router's weight gradient.
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
                            wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_, dresb_.get(),
                            wparam(p + "ln2.bias"), xn_.get());
-  // On the side stream until LN1's backward writes xn_ again; dzb_ is written again only after.
   mark(Part::kDense);
   dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(l % cfg_.group_size), N, ld);
 }
@@ -631,8 +623,7 @@ void GpuModel::attention_backward(int64_t l) {
                            l > 0 ? dresb_.get() : nullptr, wparam(p + "ln1.bias"), xn_.get());
   mark(Part::kDense);
   // Weight gradients: q and k are adjacent in the layout, as are the two routers (checked at
-  // construction), so each pair is one product. On the side stream until the layer below's LN2
-  // backward writes xn_ again (attn_in_grad_ is written again only after).
+  // construction), so each pair is one product.
   dense_weight_grad(dq, attn_in_ld_, xn_.get(), gparam(p + "attention.q.weight"), N, 2 * hd);
   dense_weight_grad(dz_v, attn_in_ld_, xn_.get(), gparam(p + "attention.sel_v"), N, 2 * H * Ea);
 }

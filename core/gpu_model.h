@@ -99,7 +99,7 @@ class GpuModel {
   WeightGradTurn weight_grad_turn(int64_t l) const;
   void attention_backward(int64_t l);
   // The backward of dense, in two halves. dy [rows, *] has rows dy_ld elements apart.
-  // dW [out, d] += dyᵀ·x (on the side stream);  dx [rows, d] = dy[:, :k] · W [k, d].
+  // dW [out, d] += dyᵀ·x;  dx [rows, d] = dy[:, :k] · W [k, d].
   void dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, float* dW, int64_t rows, int64_t out);
   void dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, float* dx);
   // The routing logits' gradient, dz = regulariser gradient + routing backward, in bf16 into dzb
@@ -143,8 +143,7 @@ class GpuModel {
   int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
   cudaStream_t stream_ = nullptr;
   bool own_stream_ = false;
-  // cublas_side_ runs the side stream's products: a handle's workspace serves one stream at a time.
-  cublasHandle_t cublas_ = nullptr, cublas_side_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
   cuda::DeviceBuffer<float> grads_;
   cuda::DeviceBuffer<bf16> working_;
   cuda::DeviceBuffer<int32_t> inputs_, targets_;
