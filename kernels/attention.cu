@@ -894,16 +894,17 @@ void CausalAttention::scores_and_probs(const bf16* q, const bf16* k, int64_t qk_
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-int64_t CausalAttention::qk_row_stride(int64_t qk_ld) const {
-  if (qk_ld == 0) return H_ * dh_;
-  if (qk_ld < H_ * dh_) throw std::invalid_argument("CausalAttention: q and k rows narrower than the heads");
-  return qk_ld;
+int64_t CausalAttention::row_stride(int64_t ld, const char* rows) const {
+  if (ld == 0) return H_ * dh_;
+  if (ld < H_ * dh_)
+    throw std::invalid_argument(std::string("CausalAttention: ") + rows + " rows narrower than the heads");
+  return ld;
 }
 
 void CausalAttention::forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream,
                               int64_t qk_ld) {
   if (B_ == 0) return;
-  qk_ld = qk_row_stride(qk_ld);
+  qk_ld = row_stride(qk_ld, "q and k");
   if (flash()) {
     with_ceiling<32, 64, 96, 128>(dh_, [&](auto kD) {
       launch_flash_forward<kD>(out, lse, q, k, v, B_, T_, H_, dh_, qk_ld, stream);
@@ -921,9 +922,8 @@ void CausalAttention::backward(bf16* dq, bf16* dk, bf16* dv, const float* dout, 
                                const bf16* q, const bf16* k, const bf16* v, cudaStream_t stream, int64_t grad_ld,
                                float grad_scale, int64_t qk_ld) {
   if (B_ == 0) return;
-  qk_ld = qk_row_stride(qk_ld);
-  if (grad_ld == 0) grad_ld = H_ * dh_;
-  if (grad_ld < H_ * dh_) throw std::invalid_argument("CausalAttention: gradient rows narrower than the heads");
+  qk_ld = row_stride(qk_ld, "q and k");
+  grad_ld = row_stride(grad_ld, "gradient");
   if (flash()) {
     const int64_t rows = B_ * H_ * T_, n = B_ * T_ * H_ * dh_;
     const bool dout_quads = dh_ % 4 == 0 && reinterpret_cast<uintptr_t>(dout) % 16 == 0 &&

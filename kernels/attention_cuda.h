@@ -37,7 +37,8 @@ class CausalAttention {
 
  private:
   bool flash() const { return dh_ <= 128; }
-  int64_t qk_row_stride(int64_t qk_ld) const;  // qk_ld checked, 0 resolved
+  // A tensor's token-row stride ld, checked (rows: what the error names) and 0 resolved to H·dh.
+  int64_t row_stride(int64_t ld, const char* rows) const;
   void scores_and_probs(const __nv_bfloat16* q, const __nv_bfloat16* k, int64_t qk_ld, cudaStream_t stream);
 
   cublasHandle_t cublas_;
