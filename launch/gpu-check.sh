@@ -30,10 +30,11 @@ if runs tests; then
   fi
 fi
 if runs kernels; then
-  step bench_cvmm_16k "$(program moeut-bench-cvmm)" 16384
-  step bench_cvmm_64k "$(program moeut-bench-cvmm)" 65536
+  cvmm=$(program moeut-bench-cvmm)
+  step bench_cvmm_16k "$cvmm" 16384
+  step bench_cvmm_64k "$cvmm" 65536
   step scatter_floor_16k "$(program moeut-bench-scatter-floor)" 16384
-  step scatter_phases_16k timeout 300 "$(program moeut-bench-cvmm)" 16384 3 --phases  # where a scatter item's time goes
+  step scatter_phases_16k timeout 300 "$cvmm" 16384 3 --phases  # where a scatter item's time goes
 fi
 # The training step at the four points of docs/PERFORMANCE.md's table (table_points), into one log.
 training_steps() {
