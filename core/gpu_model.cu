@@ -68,6 +68,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
     dispatcher_ = std::make_unique<GpuAllToAllDispatcher>(*expert_parallel, cfg_.ff_n_experts, N, d, kf, stream_);
   const int64_t M = dispatcher_ ? dispatcher_->max_received() : N;  // token rows the FFN experts here may see
   grads_ = DeviceBuffer<float>(size_t(total));
+  zero_gradients();
   working_ = DeviceBuffer<bf16>(size_t(total));
   inputs_ = DeviceBuffer<int32_t>(size_t(N));
   targets_ = DeviceBuffer<int32_t>(size_t(N));
@@ -206,13 +207,26 @@ void GpuModel::set_parameters(const std::vector<float>& params) {
   MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-std::vector<float> GpuModel::gradients() const {
+std::vector<float> GpuModel::gradients() {
+  zero_unwritten_expert_grads();
   MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return grads_.download();
 }
 
 void GpuModel::zero_gradients() {
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(grads_.get(), 0, grads_.size() * sizeof(float), stream_));
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(grads_.get(), 0, size_t(layout_.replicated()) * sizeof(float), stream_));
+  expert_grads_written_.assign(size_t(cfg_.group_size), 0);
+}
+
+void GpuModel::zero_unwritten_expert_grads() {
+  for (int64_t g = 0; g < int64_t(expert_grads_written_.size()); ++g) {
+    if (expert_grads_written_[size_t(g)]) continue;
+    for (const char* name : {"ffn.keys", "ffn.values"}) {
+      const TensorSpec& t = layout_.at(layer_prefix(g) + name);
+      MOEUT_CUDA_CHECK(cudaMemsetAsync(grads_.get() + t.offset, 0, size_t(t.numel) * sizeof(float), stream_));
+    }
+    expert_grads_written_[size_t(g)] = 1;
+  }
 }
 
 // y [rows, out] (row-major) = alpha · x [rows, d] · Wᵀ, W [out, d]: column-major y [out, rows].
@@ -526,6 +540,8 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
   bf16* const deferred_dy = turn == WeightGradTurn::kAlone ? nullptr : deferred_dy_.get() + g * dy_slot;
   bf16* const deferred_dh = turn == WeightGradTurn::kAlone ? nullptr : deferred_dhidden_.get() + g * dh_slot;
   bf16* const dhidden = turn == WeightGradTurn::kDefer ? deferred_dh : dhidden_.get();
+  // The first weight gradient of this physical layer since zero_gradients() writes dW.
+  const bool overwrite = turn != WeightGradTurn::kDefer && !expert_grads_written_[size_t(g)];
   mark(Part::kExperts);
   if (turn == WeightGradTurn::kDefer)
     MOEUT_CUDA_CHECK(cudaMemcpyAsync(deferred_dy, dY, size_t(in.rows * d) * sizeof(bf16), cudaMemcpyDeviceToDevice,
@@ -544,19 +560,22 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
     }
   };
   float* const dvalues = gparam(p + "ffn.values");
-  weight_grad(L.plan_ff.view(true), {L.hidden.get(), dY, in.weight, true, dvalues, es, d, E},
+  weight_grad(L.plan_ff.view(true), {L.hidden.get(), dY, in.weight, true, dvalues, es, d, E, overwrite},
               [&](const Layer& U, const ExpertRows& rows) {
-                return std::pair{U.plan_ff.view(true),
-                                 cuda::CvmmWeightGradArgs{U.hidden.get(), deferred_dy, rows.weight, true, dvalues, es, d, E}};
+                return std::pair{U.plan_ff.view(true), cuda::CvmmWeightGradArgs{U.hidden.get(), deferred_dy, rows.weight,
+                                                                                true, dvalues, es, d, E, overwrite}};
               });
   // dhidden comes out already through the ReLU's gradient (masked where hidden is 0); the
   // routing-weight gradient is the same either way, its dot products reading hidden itself.
   cuda::cvmm_rows(L.plan_ff.view(), {dY, wparam(p + "ffn.values"), in.weight, dhidden, nullptr, dw, L.hidden.get(), d, es,
                                       true, false, 0, cuda::CvmmRowsArgs::Relu::kMaskByDotRows}, stream_);
   float* const dkeys = gparam(p + "ffn.keys");
-  weight_grad(L.plan_ff.view(), {in.X, dhidden, nullptr, true, dkeys, d, es, E}, [&](const Layer& U, const ExpertRows& rows) {
-    return std::pair{U.plan_ff.view(), cuda::CvmmWeightGradArgs{rows.X, deferred_dh, nullptr, true, dkeys, d, es, E}};
-  });
+  weight_grad(L.plan_ff.view(), {in.X, dhidden, nullptr, true, dkeys, d, es, E, overwrite},
+              [&](const Layer& U, const ExpertRows& rows) {
+                return std::pair{U.plan_ff.view(),
+                                 cuda::CvmmWeightGradArgs{rows.X, deferred_dh, nullptr, true, dkeys, d, es, E, overwrite}};
+              });
+  if (turn != WeightGradTurn::kDefer) expert_grads_written_[size_t(g)] = 1;
   cuda::cvmm_rows(L.plan_ff.view(true), {dhidden, wparam(p + "ffn.keys"), nullptr, nullptr, dX, nullptr, nullptr, es, d,
                                           true, true, in.rows}, stream_);
   side_->join();

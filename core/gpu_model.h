@@ -41,10 +41,16 @@ class GpuModel {
   const ParamLayout& layout() const { return layout_; }
   // The bf16 working copy of every parameter (the fp32 master copy lives in the optimizer).
   void set_parameters(const std::vector<float>& params);
-  std::vector<float> gradients() const;
+  std::vector<float> gradients();
+  // Zeroes the replicated gradients; the FFN experts' (the layout's last range: 85% of the 1B
+  // model's) are written, not added to, by their first weight gradient in the next backward pass,
+  // which then needs neither a memset of them nor a read of dW (docs/PERFORMANCE.md v34).
   void zero_gradients();
   __nv_bfloat16* working() { return working_.get(); }
-  float* grads() { return grads_.get(); }
+  float* grads() {  // every gradient holds its value: those left unwritten since zero_gradients() are zeroed
+    zero_unwritten_expert_grads();
+    return grads_.get();
+  }
   cudaStream_t stream() const { return stream_; }
   int64_t dispatch_bytes() const { return dispatcher_ ? dispatcher_->bytes_sent() : 0; }  // sent to other ranks
 
@@ -97,6 +103,10 @@ class GpuModel {
   // read-modify-write of the fp32 gradient where two products made two.
   enum class WeightGradTurn { kAlone, kDefer, kWithDeferred };
   WeightGradTurn weight_grad_turn(int64_t l) const;
+  // Per physical layer: whether its FFN expert gradients hold a value since zero_gradients()
+  // (until then the first weight gradient overwrites them).
+  std::vector<char> expert_grads_written_;
+  void zero_unwritten_expert_grads();
   void attention_backward(int64_t l);
   // The backward of dense, in two halves. dy [rows, *] has rows dy_ld elements apart.
   // dW [out, d] += dyᵀ·x;  dx [rows, d] = dy[:, :k] · W [k, d].

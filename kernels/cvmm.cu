@@ -181,17 +181,23 @@ __device__ __forceinline__ void store_acc(float* Cs, const float (&acc)[64], int
   for (int j = 0; j < 64; ++j) Cs[(wg * 64 + wgmma::acc_row(j)) * kCStride + wgmma::acc_col(j)] = acc[j];
 }
 
-// dst(r)[0, n) += Cs[r][0, n) for r < rows, by the L2's bulk reduction: one asynchronous copy of a
-// whole row per thread. Needs n % 4 == 0 and 16-byte aligned destinations. Returns once shared
-// memory has been read.
+// dst(r)[0, n) += Cs[r][0, n) (add) or = Cs[r][0, n) for r < rows, by the L2's bulk reduction or
+// bulk copy: one asynchronous copy of a whole row per thread. Needs n % 4 == 0 and 16-byte aligned
+// destinations. Returns once shared memory has been read.
 template <class Row>
-__device__ __forceinline__ void add_rows_async(const float* Cs, int rows, int n, Row dst) {
+__device__ __forceinline__ void write_rows_async(const float* Cs, int rows, int n, Row dst, bool add) {
   wgmma::fence_shared_for_async();  // this thread's writes to Cs, visible to the copy engine
   __syncthreads();
-  for (int r = threadIdx.x; r < rows; r += blockDim.x)
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst(r)),
-                 "r"(wgmma::smem_address(Cs + r * kCStride)), "r"(n * 4)
-                 : "memory");
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    if (add)
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst(r)),
+                   "r"(wgmma::smem_address(Cs + r * kCStride)), "r"(n * 4)
+                   : "memory");
+    else
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst(r)),
+                   "r"(wgmma::smem_address(Cs + r * kCStride)), "r"(n * 4)
+                   : "memory");
+  }
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
@@ -295,7 +301,7 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
         *c = make_float4(w * c->x, w * c->y, w * c->z, w * c->w);
       }
     }
-    add_rows_async(Cs, rows, n_valid, [&](int r) { return a.out_f32 + int64_t(tr.out[r]) * N + n0; });
+    write_rows_async(Cs, rows, n_valid, [&](int r) { return a.out_f32 + int64_t(tr.out[r]) * N + n0; }, true);
     return;
   }
   // A stored output element: weighted, then through the ReLU options (see CvmmRowsArgs); dot is
@@ -992,7 +998,8 @@ static_assert((WM + WN) * WS * 2 == kStageBytes, "weight-gradient stages share t
 // and step), 0 for none. The box's rows past the expert's end belong to the next expert (or lie
 // past the tensor, read as zeros); each thread zeroes its chunk of those rows once they land.
 // `uses` (1 or 2) plans and operands share dW (two layers that share the expert weights): a tile
-// runs the first use's steps, then the second's, into one accumulator, and adds it to dW once.
+// runs the first use's steps, then the second's, into one accumulator, and adds it to dW once
+// (or writes it, a0.overwrite: then the tiles of an expert without selections write zeros).
 enum WeightGradTma { kGatherBoth = 0, kTmaA = 1, kTmaB = 2 };
 template <int kByTma>
 __global__ void __launch_bounds__(kRowsThreads, 2)
@@ -1012,7 +1019,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   const int64_t k0 = (tile / n_tiles_n) * WM, n0 = (tile % n_tiles_n) * WN;
   const int64_t begin0 = plan0.expert_begin[e], end0 = plan0.expert_begin[e + 1];
   const int64_t begin1 = uses > 1 ? plan1.expert_begin[e] : 0, end1 = uses > 1 ? plan1.expert_begin[e + 1] : 0;
-  if (begin0 == end0 && begin1 == end1) return;
+  if (begin0 == end0 && begin1 == end1 && !a0.overwrite) return;
   const int steps0 = int((end0 - begin0 + WS - 1) / WS), steps = steps0 + int((end1 - begin1 + WS - 1) / WS);
   if constexpr (kByTma != kGatherBoth) {
     if (threadIdx.x < kStages) mbar_init(&full[threadIdx.x], 1);
@@ -1136,10 +1143,11 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
 
   float* dWe = a0.dW + int64_t(e) * K * N;
   const int n_valid = int(min64(WN, N - n0));
-  if (rows_addable(dWe, N, n_valid)) {  // through the finished stages, added by the L2
+  if (rows_addable(dWe, N, n_valid)) {  // through the finished stages, added (or copied) by the L2
     float* Cs = reinterpret_cast<float*>(smem);
     store_acc(Cs, acc, wg);
-    add_rows_async(Cs, int(min64(WM, K - k0)), n_valid, [&](int r) { return dWe + (k0 + r) * N + n0; });
+    write_rows_async(Cs, int(min64(WM, K - k0)), n_valid, [&](int r) { return dWe + (k0 + r) * N + n0; },
+                     !a0.overwrite);
     return;
   }
   // Straight from the accumulators: each thread owns pairs of adjacent columns.
@@ -1149,13 +1157,12 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     const int64_t k = k0 + wg * 64 + wgmma::acc_row(j), n = n0 + wgmma::acc_col(j);
     if (k >= K) continue;
     float* out = dWe + k * N + n;
+    const float base0 = a0.overwrite || n >= N ? 0.f : out[0], base1 = a0.overwrite || n + 1 >= N ? 0.f : out[1];
     if (pairs && n + 1 < N) {
-      float2 v = *reinterpret_cast<float2*>(out);
-      v.x += acc[j], v.y += acc[j + 1];
-      *reinterpret_cast<float2*>(out) = v;
+      *reinterpret_cast<float2*>(out) = make_float2(base0 + acc[j], base1 + acc[j + 1]);
     } else {
-      if (n < N) out[0] += acc[j];
-      if (n + 1 < N) out[1] += acc[j + 1];
+      if (n < N) out[0] = base0 + acc[j];
+      if (n + 1 < N) out[1] = base1 + acc[j + 1];
     }
   }
 }
@@ -1569,10 +1576,14 @@ void launch_weight_grad(const CvmmPlan* plans, const CvmmWeightGradArgs* args, i
   const CvmmWeightGradArgs& a = args[0];
   for (int u = 1; u < uses; ++u)
     if (args[u].dW != a.dW || args[u].K != a.K || args[u].N != a.N || args[u].n_experts != a.n_experts ||
-        args[u].a_by_in_row != a.a_by_in_row || !args[u].weight != !a.weight)
-      throw std::invalid_argument("cvmm_weight_grad: two uses with different gradients, shapes or weighting");
+        args[u].a_by_in_row != a.a_by_in_row || !args[u].weight != !a.weight || args[u].overwrite != a.overwrite)
+      throw std::invalid_argument("cvmm_weight_grad: two uses with different gradients, shapes, weighting or overwrite");
   const int64_t tiles = ((a.K + WM - 1) / WM) * ((a.N + WN - 1) / WN);
-  if (plans[0].tiles == 0 && (uses < 2 || plans[1].tiles == 0)) return;
+  if (plans[0].tiles == 0 && (uses < 2 || plans[1].tiles == 0)) {  // no selections: dW += 0, or dW = 0
+    if (a.overwrite)
+      MOEUT_CUDA_CHECK(cudaMemsetAsync(a.dW, 0, size_t(a.n_experts * a.K * a.N) * sizeof(float), stream));
+    return;
+  }
   // An operand whose rows are positions (the FFN's hidden rows) comes by tensor copies, when it
   // does in every use. Its maps are made per call: the live positions change with every routing
   // (a few microseconds).

@@ -152,10 +152,13 @@ struct CvmmWeightGradArgs {
   bool a_by_in_row;      // A rows: in_row (true) or out_row (false); B rows: the other
   float* dW;
   int64_t K, N, n_experts;
+  // dW_e = the sum instead of dW_e += it, experts without selections set to 0: a gradient's first
+  // contribution, which then needs neither zeroing beforehand nor reading dW.
+  bool overwrite = false;
 };
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream);
 // Two uses of the same expert weights (two layers that share them) in one product: dW_e += the
-// sum over both uses' selections. a and b name the same dW, shapes and weighting. Each tile then
+// sum over both uses' selections. a and b name the same dW, shapes, weighting and overwrite. Each tile then
 // runs both uses' rows between its prologue and a single fp32 read-modify-write of dW, where two
 // products would do two (docs/PERFORMANCE.md v22).
 void cvmm_weight_grad(const CvmmPlan& plan_a, const CvmmWeightGradArgs& a, const CvmmPlan& plan_b,

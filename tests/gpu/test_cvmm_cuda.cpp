@@ -2,8 +2,8 @@
 // expert products of a σ-MoE layer, forward and backward, at several shapes, including widths
 // that are not multiples of 8, skewed routing and experts that receive nothing; the FFN's ReLU
 // options; the scatter product with a routing-weight gradient; weight gradients over two uses of
-// the same expert weights; rows kept per selection, with their weighted sums and dots (the
-// attention value experts). bf16 operands are rounded once on the host and the reference
+// the same expert weights, added or written (a gradient's first contribution); rows kept per
+// selection, with their weighted sums and dots (the attention value experts). bf16 operands are rounded once on the host and the reference
 // computes on the same rounded values.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
@@ -215,30 +215,43 @@ void check(const Shape& s) {
     EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient";
   }
   {  // Two uses of the same expert weights in one product (two layers sharing them): dValues and
-     // dKeys over both routings, onto non-zero gradients.
+     // dKeys over both routings.
     const Routing other = random_routing(s, rng);
     const cuda::DeviceCvmmPlan other_up(other.up), other_down(other.down);
     const auto X2 = random_bf16_values(n * d, rng, 1.0), H2 = random_bf16_values(sels * es, rng, 1.0);
     const auto dY2 = random_bf16_values(n * d, rng, 1.0), dH2 = random_bf16_values(sels * es, rng, 1.0);
     const DeviceBuffer<bf16> gX2(to_bf16(X2)), gH2(to_bf16(H2)), gdY2(to_bf16(dY2)), gdH2(to_bf16(dH2));
     const DeviceBuffer<float> gw2(other.w);
-    const auto dWv_init = random_bf16_values(E * es * d, rng, 1.0), dWk_init = random_bf16_values(E * d * es, rng, 1.0);
-    std::vector<float> dWv_ref = dWv_init, dWk_ref = dWk_init, scratch(std::max(n * d, sels * es)), dw_scratch(sels);
-    cvmm_backward(scratch.data(), dWv_ref.data(), dw_scratch.data(), dY.data(), H.data(), Wv.data(), w.data(), down, es, d,
+    // The sums over both uses, from zero: added onto non-zero gradients, and written (overwrite,
+    // a gradient's first contribution) over poisoned ones, which also sets the experts without
+    // selections (the skewed shapes have them) to 0.
+    std::vector<float> dWv_sum(E * es * d, 0.f), dWk_sum(E * d * es, 0.f), scratch(std::max(n * d, sels * es)),
+        dw_scratch(sels);
+    cvmm_backward(scratch.data(), dWv_sum.data(), dw_scratch.data(), dY.data(), H.data(), Wv.data(), w.data(), down, es, d,
                   ws);
-    cvmm_backward(scratch.data(), dWv_ref.data(), dw_scratch.data(), dY2.data(), H2.data(), Wv.data(), other.w.data(),
+    cvmm_backward(scratch.data(), dWv_sum.data(), dw_scratch.data(), dY2.data(), H2.data(), Wv.data(), other.w.data(),
                   other.down, es, d, ws);
-    cvmm_backward(scratch.data(), dWk_ref.data(), static_cast<float*>(nullptr), dH.data(), X.data(), Wk.data(),
+    cvmm_backward(scratch.data(), dWk_sum.data(), static_cast<float*>(nullptr), dH.data(), X.data(), Wk.data(),
                   static_cast<const float*>(nullptr), up, d, es, ws);
-    cvmm_backward(scratch.data(), dWk_ref.data(), static_cast<float*>(nullptr), dH2.data(), X2.data(), Wk.data(),
+    cvmm_backward(scratch.data(), dWk_sum.data(), static_cast<float*>(nullptr), dH2.data(), X2.data(), Wk.data(),
                   static_cast<const float*>(nullptr), other.up, d, es, ws);
-    DeviceBuffer<float> gdWv(dWv_init), gdWk(dWk_init);
-    cuda::cvmm_weight_grad(plan_down.view(), {gH.get(), gdY.get(), gw.get(), true, gdWv.get(), es, d, E}, other_down.view(),
-                           {gH2.get(), gdY2.get(), gw2.get(), true, gdWv.get(), es, d, E}, 0);
-    cuda::cvmm_weight_grad(plan_up.view(), {gX.get(), gdH.get(), nullptr, true, gdWk.get(), d, es, E}, other_up.view(),
-                           {gX2.get(), gdH2.get(), nullptr, true, gdWk.get(), d, es, E}, 0);
-    EXPECT_LE(rel_error(gdWv.download(), dWv_ref), 1e-2) << "down: expert-weight gradient over two uses";
-    EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient over two uses";
+    for (const bool overwrite : {false, true}) {
+      SCOPED_TRACE(overwrite ? "written" : "added");
+      const auto dWv_init = overwrite ? std::vector<float>(E * es * d, NAN) : random_bf16_values(E * es * d, rng, 1.0);
+      const auto dWk_init = overwrite ? std::vector<float>(E * d * es, NAN) : random_bf16_values(E * d * es, rng, 1.0);
+      std::vector<float> dWv_ref = dWv_sum, dWk_ref = dWk_sum;
+      if (!overwrite) {
+        for (size_t i = 0; i < dWv_ref.size(); ++i) dWv_ref[i] += dWv_init[i];
+        for (size_t i = 0; i < dWk_ref.size(); ++i) dWk_ref[i] += dWk_init[i];
+      }
+      DeviceBuffer<float> gdWv(dWv_init), gdWk(dWk_init);
+      cuda::cvmm_weight_grad(plan_down.view(), {gH.get(), gdY.get(), gw.get(), true, gdWv.get(), es, d, E, overwrite},
+                             other_down.view(), {gH2.get(), gdY2.get(), gw2.get(), true, gdWv.get(), es, d, E, overwrite}, 0);
+      cuda::cvmm_weight_grad(plan_up.view(), {gX.get(), gdH.get(), nullptr, true, gdWk.get(), d, es, E, overwrite},
+                             other_up.view(), {gX2.get(), gdH2.get(), nullptr, true, gdWk.get(), d, es, E, overwrite}, 0);
+      EXPECT_LE(rel_error(gdWv.download(), dWv_ref), 1e-2) << "down: expert-weight gradient over two uses";
+      EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient over two uses";
+    }
   }
   // The same, weighted, with the routing-weight gradient (the attention value experts' shape):
   // dX[t] += Σ w · dH[s] · keys_eᵀ, dw = (dH[s] · keys_eᵀ) · X[t]. Told its output has 2^30 rows,
