@@ -103,10 +103,7 @@ class GpuModel {
   // read-modify-write of the fp32 gradient where two products made two.
   enum class WeightGradTurn { kAlone, kDefer, kWithDeferred };
   WeightGradTurn weight_grad_turn(int64_t l) const;
-  // Per physical layer: whether its FFN expert gradients hold a value since zero_gradients()
-  // (until then the first weight gradient overwrites them).
-  std::vector<char> expert_grads_written_;
-  void zero_unwritten_expert_grads();
+  void zero_unwritten_expert_grads();  // see grads()
   void attention_backward(int64_t l);
   // The backward of dense, in two halves. dy [rows, *] has rows dy_ld elements apart.
   // dW [out, d] += dyᵀ·x;  dx [rows, d] = dy[:, :k] · W [k, d].
@@ -155,6 +152,9 @@ class GpuModel {
   bool own_stream_ = false;
   cublasHandle_t cublas_ = nullptr;
   cuda::DeviceBuffer<float> grads_;
+  // Per physical layer: whether its FFN expert gradients hold a value since zero_gradients()
+  // (until then its first weight gradient writes them instead of adding).
+  std::vector<char> expert_grads_written_;
   cuda::DeviceBuffer<bf16> working_;
   cuda::DeviceBuffer<int32_t> inputs_, targets_;
   std::vector<cuda::DeviceBuffer<float>> xs_;  // residual entering each layer, and the final one
