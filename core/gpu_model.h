@@ -47,7 +47,9 @@ class GpuModel {
   // which then needs neither a memset of them nor a read of dW (docs/PERFORMANCE.md v34).
   void zero_gradients();
   __nv_bfloat16* working() { return working_.get(); }
-  float* grads() {  // every gradient holds its value: those left unwritten since zero_gradients() are zeroed
+  // Every gradient holding its value: expert gradients left unwritten since zero_gradients()
+  // are zeroed first.
+  float* grads() {
     zero_unwritten_expert_grads();
     return grads_.get();
   }

@@ -158,9 +158,9 @@ struct CvmmWeightGradArgs {
 };
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream);
 // Two uses of the same expert weights (two layers that share them) in one product: dW_e += the
-// sum over both uses' selections. a and b name the same dW, shapes, weighting and overwrite. Each tile then
-// runs both uses' rows between its prologue and a single fp32 read-modify-write of dW, where two
-// products would do two (docs/PERFORMANCE.md v22).
+// sum over both uses' selections. a and b name the same dW, shapes, weighting and overwrite. Each
+// tile then runs both uses' rows between its prologue and a single fp32 read-modify-write of dW,
+// where two products would do two (docs/PERFORMANCE.md v22).
 void cvmm_weight_grad(const CvmmPlan& plan_a, const CvmmWeightGradArgs& a, const CvmmPlan& plan_b,
                       const CvmmWeightGradArgs& b, cudaStream_t stream);
 

@@ -3,8 +3,8 @@
 // that are not multiples of 8, skewed routing and experts that receive nothing; the FFN's ReLU
 // options; the scatter product with a routing-weight gradient; weight gradients over two uses of
 // the same expert weights, added or written (a gradient's first contribution); rows kept per
-// selection, with their weighted sums and dots (the attention value experts). bf16 operands are rounded once on the host and the reference
-// computes on the same rounded values.
+// selection, with their weighted sums and dots (the attention value experts). bf16 operands are
+// rounded once on the host and the reference computes on the same rounded values.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
