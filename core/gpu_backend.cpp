@@ -115,7 +115,16 @@ bool gpu_backend_available() {
 }
 
 std::unique_ptr<TrainingBackend> make_gpu_backend(const Config& c, const ProcessGroups& groups) {
-  return std::make_unique<GpuBackend>(c, groups);
+  try {
+    return std::make_unique<GpuBackend>(c, groups);
+  } catch (const cuda::OutOfMemory& e) {
+    throw cuda::OutOfMemory(std::string(e.what()) +
+                            ": each GPU holds its share of the model, gradients and optimizer state and the "
+                            "activations of micro_batch_size " + std::to_string(c.train.micro_batch_size) +
+                            " sequences of " + std::to_string(c.model.context) +
+                            " tokens; lower micro_batch_size (a step accumulates micro-batches up to batch_size), "
+                            "or spread the experts over more GPUs with --ep");
+  }
 }
 
 }  // namespace moeut

@@ -14,6 +14,13 @@ namespace moeut::cuda {
                            ") in " + call + " at " + file + ":" + std::to_string(line));
 }
 
+// A device allocation that did not fit. Callers that know what the memory was for (the
+// training backend, the benchmark) add how to make it fit.
+class OutOfMemory : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 inline void check_cublas(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS)
     throw std::runtime_error(std::string("cuBLAS error ") + std::to_string(int(s)) + " in " + what);

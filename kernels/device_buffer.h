@@ -2,17 +2,42 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdio>
+#include <string>
 #include <vector>
 
 #include "kernels/cuda_check.h"
 
 namespace moeut::cuda {
 
+// cudaMalloc, checked; when the device is full, the error says how much was asked and how much
+// was free (and the failed call is cleared, so the context stays usable).
+inline void* device_allocate(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    size_t free_bytes = 0, total_bytes = 0;
+    int device = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    cudaGetDevice(&device);
+    auto gib = [](size_t b) {
+      char s[32];
+      std::snprintf(s, sizeof s, "%.2f GiB", double(b) / double(1ull << 30));
+      return std::string(s);
+    };
+    throw OutOfMemory("GPU out of memory: " + gib(bytes) + " asked, " + gib(free_bytes) + " free of " +
+                      gib(total_bytes) + " on device " + std::to_string(device));
+  }
+  if (e != cudaSuccess) cuda_fail(e, "cudaMalloc", __FILE__, __LINE__);
+  return p;
+}
+
 template <typename T>
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t n) : n_(n) { if (n) MOEUT_CUDA_CHECK(cudaMalloc(&ptr_, n * sizeof(T))); }
+  explicit DeviceBuffer(size_t n) : n_(n) { if (n) ptr_ = static_cast<T*>(device_allocate(n * sizeof(T))); }
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
   ~DeviceBuffer() { if (ptr_) cudaFree(ptr_); }
   DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), n_(o.n_) { o.ptr_ = nullptr; o.n_ = 0; }

@@ -106,6 +106,10 @@ int main(int argc, char** argv) {
     }
     std::printf(" optimizer %.1f (%.0f%%)\n", opt * 1e3, opt / step * 100);
     return 0;
+  } catch (const cuda::OutOfMemory& e) {
+    std::fprintf(stderr, "moeut-bench: error: %s: the step at --batch %lld does not fit; try a smaller --batch\n",
+                 e.what(), (long long)batch);
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moeut-bench: error: %s\n", e.what());
     return 1;

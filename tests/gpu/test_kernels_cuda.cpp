@@ -1,9 +1,12 @@
 // CUDA kernels against their CPU references on random inputs at several sizes: LayerNorm,
-// RoPE, sigmoid top-k routing, AdamW and the gradient norm. Outputs are poisoned first.
+// RoPE, sigmoid top-k routing, AdamW and the gradient norm. Outputs are poisoned first. Also the
+// device buffers' error when the device is full.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <string>
 
 #include "gpu_test.h"
 #include "kernels/adamw.h"
@@ -31,6 +34,25 @@ namespace {
 
 using cuda::DeviceBuffer;
 using namespace gpu_test;
+
+TEST_F(GpuTest, AnAllocationPastTheDeviceSaysHowMuchItAsked) {
+  size_t free_bytes = 0, total_bytes = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
+  const size_t n = total_bytes / sizeof(float) * 2;  // twice the device's memory
+  char asked[64];
+  std::snprintf(asked, sizeof asked, "GPU out of memory: %.2f GiB asked, ", double(n * sizeof(float)) / double(1ull << 30));
+  try {
+    DeviceBuffer<float> too_big(n);
+    FAIL() << "an allocation of twice the device's memory succeeded";
+  } catch (const cuda::OutOfMemory& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind(asked, 0), 0u) << what;
+    EXPECT_NE(what.find(" free of "), std::string::npos) << what;
+  }
+  // The failed allocation leaves the device usable.
+  const DeviceBuffer<float> small(std::vector<float>{1.f, 2.f});
+  EXPECT_EQ(small.download(), (std::vector<float>{1.f, 2.f}));
+}
 
 TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
   // d 82 and 602: the one-column path (rows not 16 bytes apart); the others take four columns at a
