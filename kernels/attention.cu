@@ -7,6 +7,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/with_ceiling.h"
 #include "kernels/lane_reduce.cuh"
+#include "kernels/tma.cuh"
 #include "kernels/wgmma.cuh"
 
 namespace moeut::cuda {
@@ -301,11 +302,10 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
 // step). Against the mma.sync kernel above, each key tile is read from shared memory once per
 // 64 rows instead of once per 16. Tiles use wgmma.cuh's 128-byte swizzled layout, two 64-column
 // slabs per 128-wide head; K and V are double-buffered (32 KB each), Q 32 KB: 160 KB, one block
-// per SM, up to 255 registers a thread.
+// per SM.
 constexpr int kWgKeys = 128, kWgThreads = 256;
 constexpr uint32_t kWgSlab = 128 * 128;        // bytes of one 64-column slab of a 128-row tile
 constexpr uint32_t kWgTile = 2 * kWgSlab;      // a 128 x 128 tile
-constexpr size_t kWgSmem = 5 * kWgTile + 1024;  // Q, K x 2, V x 2, and room to align to 1024
 
 // An accumulator's columns, rounded to bf16, as register A operands of the next product
 // (wgmma.cuh's mma_m64n128k16_rs): step kk takes columns 16kk .. 16kk + 15, its elements 8kk ..
@@ -337,76 +337,130 @@ __device__ void load_swizzled_tile(unsigned char* tile, const bf16* src, int64_t
   }
 }
 
-__global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, float* lse, const bf16* q, const bf16* k,
-                                                                      const bf16* v, int T, int H, int dh,
-                                                                      int64_t qk_ld) {
+// The forward's rows come by tensor copies (TMA), so no thread spends its issue slots copying and
+// no block barrier holds the two warpgroups together. One thread of a third, copying warpgroup
+// (40 registers a thread by `setmaxnreg`, which leaves the multiplying ones 232) loads Q once and
+// streams the key and value tiles through kFwdStages stages, each full on its mbarrier (by byte
+// count) and empty once all 256 multiplying threads have arrived after their products.
+// The two warpgroups take turns at the tensor cores through two named barriers, as in
+// FlashAttention-3: a warpgroup issues O += P V for the previous tile and S = Q Kᵀ for this one
+// back to back, hands the turn over, and computes this tile's softmax while the other's products
+// run. Reads past dh or T land as zeros, as the copies above write them.
+constexpr int kFwdStages = 2, kFwdThreads = kWgThreads + 128;
+constexpr size_t kFwdSmem = (1 + 2 * kFwdStages) * kWgTile + 1024;  // Q, K and V stages, room to align
+constexpr int kTurnBarrier0 = 1;  // named barriers 1 and 2: warpgroup 0's and 1's turn (0 is __syncthreads)
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__global__ void __launch_bounds__(kFwdThreads, 1)
+    flash_forward_wgmma(bf16* out, float* lse, int T, int H, int dh, int64_t qk_ld, const __grid_constant__ CUtensorMap q_map,
+                        const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map) {
   extern __shared__ __align__(16) unsigned char flash_smem[];
   unsigned char* const Qs = flash_smem + (1024 - smem_u32(flash_smem) % 1024) % 1024;  // slabs 1024-aligned
-  unsigned char* const Ks = Qs + kWgTile;       // [2] tiles
-  unsigned char* const Vs = Ks + 2 * kWgTile;   // [2] tiles
+  unsigned char* const Ks = Qs + kWgTile;                  // [kFwdStages] tiles
+  unsigned char* const Vs = Ks + kFwdStages * kWgTile;     // [kFwdStages] tiles
+  __shared__ alignas(8) uint64_t q_full, kv_full[kFwdStages], kv_empty[kFwdStages];
   const FlashHead f = flash_head(T, H, dh, qk_ld);
   const int bh = f.bh, q0 = f.forward_rows(), last_kt = f.last_key_tile(T, kWgKeys);
-  const int64_t ld = f.ld, base = f.base, qk_base = f.qk_base;
-  const bool vec = rows_16_bytes(f, dh, q, k, v);
+  if (threadIdx.x == 0) {
+    tma::mbar_init(&q_full, 1);
+    for (int st = 0; st < kFwdStages; ++st) tma::mbar_init(&kv_full[st], 1), tma::mbar_init(&kv_empty[st], kWgThreads);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
 
-  load_swizzled_tile<128>(Qs, q + qk_base, qk_ld, q0, T, dh, vec);
-  load_swizzled_tile<128>(Ks, k + qk_base, qk_ld, 0, T, dh, vec);
-  load_swizzled_tile<128>(Vs, v + base, ld, 0, T, dh, vec);
-  asm volatile("cp.async.commit_group;\n" ::);
+  if (threadIdx.x >= kWgThreads) {  // the copying warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x == kWgThreads) {
+      tma::mbar_expect_tx(&q_full, int(kWgTile));
+      for (int half = 0; half < 2; ++half) tma::load_4d(Qs + half * kWgSlab, &q_map, 64 * half, f.h, q0, f.b, &q_full);
+      for (int kt = 0; kt <= last_kt; ++kt) {
+        const int st = kt % kFwdStages;
+        if (kt >= kFwdStages) tma::mbar_wait(&kv_empty[st], (kt / kFwdStages - 1) % 2);
+        tma::mbar_expect_tx(&kv_full[st], int(2 * kWgTile));
+        for (int half = 0; half < 2; ++half) {
+          tma::load_4d(Ks + st * kWgTile + half * kWgSlab, &k_map, 64 * half, f.h, kt * kWgKeys, f.b, &kv_full[st]);
+          tma::load_4d(Vs + st * kWgTile + half * kWgSlab, &v_map, 64 * half, f.h, kt * kWgKeys, f.b, &kv_full[st]);
+        }
+      }
+    }
+    return;
+  }
 
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = threadIdx.x / 128;
   const int wg_row0 = q0 + 64 * wg;                  // this warpgroup's first query row
   const int row_a = wg_row0 + wgmma::acc_row(0), row_b = row_a + 8;  // this thread's two rows
   // Accumulator element j belongs to row_a when (j / 2) % 2 == 0, else to row_b.
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
-  float o[64];
+  float o[64], s[64];
+  uint32_t p[8][4];  // the previous tile's probabilities, as A fragments
 #pragma unroll
   for (float& x : o) x = 0.f;
   const uint32_t q_rows = smem_u32(Qs) + 64 * 128 * wg;
-
-  // One barrier per key tile: past it, this tile has landed and every thread is done with the
-  // previous one, whose buffers then take the next tile's copies.
-  for (int kt = 0; kt <= last_kt; ++kt) {
-    const int buf = kt & 1, key0 = kt * kWgKeys;
-    asm volatile("cp.async.wait_group 0;\n" ::);
-    wgmma::fence_shared_for_async();
-    __syncthreads();
-    if (kt < last_kt) {  // the next key tile streams in while this one is used
-      load_swizzled_tile<128>(Ks + (buf ^ 1) * kWgTile, k + qk_base, qk_ld, key0 + kWgKeys, T, dh, vec);
-      load_swizzled_tile<128>(Vs + (buf ^ 1) * kWgTile, v + base, ld, key0 + kWgKeys, T, dh, vec);
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-    if (key0 > wg_row0 + 63) continue;  // every key of the tile is after every row of this warpgroup
-    const uint32_t k_tile = smem_u32(Ks + buf * kWgTile), v_tile = smem_u32(Vs + buf * kWgTile);
-
-    // S (64 x 128 keys per warpgroup) = Q Kᵀ, 8 steps of 16 head dims (4 per slab).
-    float s[64];
-    wgmma::fence();
+  // S (64 x 128 keys per warpgroup) = Q Kᵀ for the tile in stage st, 8 steps of 16 head dims.
+  const auto issue_scores = [&](int st) {
+    const uint32_t k_tile = smem_u32(Ks + st * kWgTile);
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
       wgmma::mma_m64n128k16<0, 0>(s, wgmma::k_major(q_rows + (kk / 4) * kWgSlab, kk % 4),
                                   wgmma::k_major(k_tile + (kk / 4) * kWgSlab, kk % 4), kk > 0);
-    wgmma::commit();
-    wgmma::wait<0>();
-    // Causal mask, only on a tile that crosses the warpgroup's diagonal (a warpgroup-uniform branch).
-    if (key0 + kWgKeys - 1 > wg_row0) {
+  };
+  // O += P V for the tile in stage st: keys 16kk..16kk+15 are P's fragments p[kk]; V (keys x head
+  // dims) is the MN-major B operand.
+  const auto issue_values = [&](int st) {
+    const uint32_t v_tile = smem_u32(Vs + st * kWgTile);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) wgmma::mma_m64n128k16_rs<1>(o, p[kk], wgmma::mn_major(v_tile, kWgSlab, kk));
+  };
+  // The tile's scores, landed in s, become probabilities in p (o rescaled to the new maxima).
+  const auto softmax = [&](int kt) {
+    const int key0 = kt * kWgKeys;
+    if (key0 + kWgKeys - 1 > wg_row0) {  // causal mask on a tile that crosses the warpgroup's diagonal
 #pragma unroll
       for (int j = 0; j < 64; ++j)
         if (key0 + wgmma::acc_col(j) > ((j / 2) % 2 ? row_b : row_a)) s[j] = -INFINITY;
     }
     online_softmax_step<64, 64>(s, o, m_a, m_b, l_a, l_b);
-    // O += P V: keys 16kk..16kk+15 are S's elements 8kk..8kk+7; V (keys x head dims) is the
-    // MN-major B operand. P is packed whole before the products, so that they issue back to back
-    // (registers written between them would make the compiler fence each one).
-    uint32_t p[8][4];
     a_fragments(p, s);
+  };
+  const int my_turn = kTurnBarrier0 + wg, their_turn = kTurnBarrier0 + 1 - wg;
+  if (wg == 1) named_barrier_arrive(their_turn, kWgThreads);  // warpgroup 0 goes first
+  tma::mbar_wait(&q_full, 0);
+  tma::mbar_wait(&kv_full[0], 0);
+  named_barrier_sync(my_turn, kWgThreads);
+  wgmma::fence();
+  issue_scores(0);
+  wgmma::commit();
+  named_barrier_arrive(their_turn, kWgThreads);
+  wgmma::wait<0>();
+  softmax(0);
+  // Step kt: O += P V for tile kt - 1 and S = Q Kᵀ for tile kt issued back to back in this
+  // warpgroup's turn; past their wait, tile kt - 1's stage is free and S becomes P.
+  for (int kt = 1; kt <= last_kt; ++kt) {
+    const int st = kt % kFwdStages, prev = (kt - 1) % kFwdStages;
+    tma::mbar_wait(&kv_full[st], (kt / kFwdStages) % 2);
+    named_barrier_sync(my_turn, kWgThreads);
     wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) wgmma::mma_m64n128k16_rs<1>(o, p[kk], wgmma::mn_major(v_tile, kWgSlab, kk));
+    issue_values(prev);
+    issue_scores(st);
     wgmma::commit();
+    named_barrier_arrive(their_turn, kWgThreads);
     wgmma::wait<0>();
+    tma::mbar_arrive(&kv_empty[prev]);
+    softmax(kt);
   }
-  asm volatile("cp.async.wait_group 0;\n" ::);
+  named_barrier_sync(my_turn, kWgThreads);
+  wgmma::fence();
+  issue_values(last_kt % kFwdStages);
+  wgmma::commit();
+  if (wg == 0) named_barrier_arrive(their_turn, kWgThreads);  // warpgroup 1's last turn hands over to nobody
+  wgmma::wait<0>();
   l_a = group_sum<4>(l_a), l_b = group_sum<4>(l_b);
   const float inv_a = 1.f / l_a, inv_b = 1.f / l_b;
   if (threadIdx.x % 4 == 0) {  // log2 of each row's softmax denominator, in the base-2 units of the scores
@@ -414,18 +468,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) flash_forward_wgmma(bf16* out, 
     if (row_b < T) lse[int64_t(bh) * T + row_b] = m_b * kLog2e + log2f(l_b);
   }
 #pragma unroll
-  for (int j = 0; j < 64; j += 2) {  // elements j, j + 1: adjacent head dims of one row
+  for (int j = 0; j < 64; j += 2) {  // elements j, j + 1: adjacent head dims of one row (dh even)
     const bool second = (j / 2) % 2;
     const int row = second ? row_b : row_a, d = wgmma::acc_col(j);
     const float inv = second ? inv_b : inv_a;
-    bf16* at = out + base + int64_t(row) * ld + d;
-    if (row >= T) continue;
-    if (vec) {  // dh a multiple of 8, so d < dh covers d + 1
-      if (d < dh) *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(o[j] * inv, o[j + 1] * inv);
-    } else {
-      if (d < dh) at[0] = __float2bfloat16(o[j] * inv);
-      if (d + 1 < dh) at[1] = __float2bfloat16(o[j + 1] * inv);
-    }
+    if (row < T && d < dh)
+      *reinterpret_cast<__nv_bfloat162*>(out + f.base + int64_t(row) * f.ld + d) =
+          __floats2bfloat162_rn(o[j] * inv, o[j + 1] * inv);
   }
 }
 
@@ -823,13 +872,27 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                   ld, grad_scale);
 }
 
+// One head's rows of a [B, T, H, dh] tensor whose token rows are row_ld elements apart, as the
+// 4D tensor {dh, H, T, B} in boxes of 64 head dims x 128 rows of one head: reads past dh or T land
+// as zeros.
+CUtensorMap head_rows_map(const bf16* x, int64_t B, int64_t T, int64_t H, int64_t dh, int64_t row_ld) {
+  const cuuint64_t e = sizeof(bf16);
+  return tma::bf16_map<4>(x, {cuuint64_t(dh), cuuint64_t(H), cuuint64_t(T), cuuint64_t(B)},
+                          {dh * e, row_ld * e, T * row_ld * e}, {64, 1, cuuint32_t(kWgKeys), 1});
+}
+
 template <int kD>
 void launch_flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T,
                           int64_t H, int64_t dh, int64_t qk_ld, cudaStream_t stream) {
-  if constexpr (kD == 128) {  // head sizes 97..128: on wgmma
-    MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWgSmem)));
-    flash_forward_wgmma<<<flash_blocks(B, T, H), kWgThreads, kWgSmem, stream>>>(out, lse, q, k, v, int(T), int(H), int(dh),
-                                                                                qk_ld);
+  const auto aligned = [](const void* x) { return reinterpret_cast<uintptr_t>(x) % 16 == 0; };
+  // Head sizes 97..128 on wgmma, when tensor copies can take the rows (strides and starts in
+  // whole 16 bytes); others on mma.sync.
+  if (kD == 128 && dh % 8 == 0 && qk_ld % 8 == 0 && aligned(q) && aligned(k) && aligned(v) && aligned(out)) {
+    const CUtensorMap q_map = head_rows_map(q, B, T, H, dh, qk_ld), k_map = head_rows_map(k, B, T, H, dh, qk_ld),
+                      v_map = head_rows_map(v, B, T, H, dh, H * dh);
+    MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFwdSmem)));
+    flash_forward_wgmma<<<flash_blocks(B, T, H), kFwdThreads, kFwdSmem, stream>>>(out, lse, int(T), int(H), int(dh), qk_ld,
+                                                                                  q_map, k_map, v_map);
   } else {
     const size_t bytes = sizeof(bf16) * (kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8);
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));

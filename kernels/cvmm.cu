@@ -1,8 +1,6 @@
 // cvmm on the GPU: see cvmm_cuda.h. Hopper tensor-core tiles (wgmma, bf16 -> fp32) over the
 // selections of one expert; row gathers happen in the tile loads, weights and scatters in the
 // epilogue (row products) or in shared memory (weight gradients).
-#include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
@@ -18,6 +16,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/cvmm_cuda.h"
+#include "kernels/tma.cuh"
 #include "kernels/wgmma.cuh"
 #include "kernels/lane_reduce.cuh"
 
@@ -743,33 +742,6 @@ __global__ void selection_dots_kernel(float* dweight, const bf16* rows, const bf
   if (lane == 0 && sel < selections) dweight[sel] = live ? sum : 0.f;
 }
 
-// mbarriers (shared memory, 8 bytes) and the tensor-memory-access copy of a 2D box.
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(wgmma::smem_address(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(wgmma::smem_address(bar)), "r"(bytes)
-               : "memory");
-}
-// Arrives once all of this thread's earlier cp.async copies have landed (counted in the init).
-__device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(wgmma::smem_address(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(wgmma::smem_address(bar)), "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          wgmma::smem_address(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(wgmma::smem_address(bar))
-      : "memory");
-}
-
 // cvmm_rows for the gathered products of one band (N = 128, K a multiple of 64 above 128, 16-byte
 // aligned rows and weights), stored or added into fp32 rows: the FFN's up product and its down
 // input gradient, the attention's value product and output input gradient. The
@@ -810,8 +782,8 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
   // Stage s is full when every copying thread's row copies and the weight slab's tensor copy
   // have landed.
   __shared__ alignas(8) uint64_t full[kGatherStages];
-  if (threadIdx.x < kGatherStages) mbar_init(&full[threadIdx.x], kGatherCopyThreads + 1);
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  if (threadIdx.x < kGatherStages) tma::mbar_init(&full[threadIdx.x], kGatherCopyThreads + 1);
+  tma::fence_barrier_init();
   __syncthreads();
   const int64_t K = a.K, N = a.N;
   const int steps = int(K / BK), pairs = *plan.live_pairs;
@@ -861,9 +833,9 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
         if (g >= kGatherStages) bar_sync(kStageEmpty + stage, kGatherThreads);
         if (thread == 0) {
           pair_rows[j % 2] = -1;
-          mbar_expect_tx(&full[stage], 0);
+          tma::mbar_expect_tx(&full[stage], 0);
         }
-        mbar_arrive_on_copies(&full[stage]);
+        tma::mbar_arrive_on_copies(&full[stage]);
         for (int later = g + 1; later < g + kGatherStages; ++later)
           if (later >= kGatherStages) bar_sync(kStageEmpty + later % kGatherStages, kGatherThreads);
         if (j >= 1) bar_sync(kSlotFree + (j + 1) % 2, kGatherThreads);
@@ -881,19 +853,19 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
         if (g >= kGatherStages) bar_sync(kStageEmpty + stage, kGatherThreads);  // step g - 4's products done
         unsigned char* as = smem + stage * kGatherStageBytes;
         if (thread == 0) {  // the weight slab: one tensor copy ([N][K]: 128 rows of 64) or two ([K][N]: 64 x 64 each)
-          mbar_expect_tx(&full[stage], kSlabB);
+          tma::mbar_expect_tx(&full[stage], kSlabB);
           if constexpr (kTransW) {
-            tma_load_2d(as + kGatherSlabA, &weights, kt * BK, p.expert * int(N), &full[stage]);
+            tma::load_2d(as + kGatherSlabA, &weights, kt * BK, p.expert * int(N), &full[stage]);
           } else {
             for (int h = 0; h < 2; ++h)
-              tma_load_2d(as + kGatherSlabA + h * (BK * 128), &weights, h * 64, p.expert * int(K) + kt * BK, &full[stage]);
+              tma::load_2d(as + kGatherSlabA + h * (BK * 128), &weights, h * 64, p.expert * int(K) + kt * BK, &full[stage]);
           }
         }
         const bf16* x = a.X + kt * BK + kc * 8;
 #pragma unroll
         for (int i = 0; i < kCopyRows; ++i)
           cp_async16(as + chunk_at + i * kRowStride * 128, x + int64_t(max(rows[i], 0)) * Kc, rows[i] < 0 ? 0 : 16);
-        mbar_arrive_on_copies(&full[stage]);
+        tma::mbar_arrive_on_copies(&full[stage]);
       }
       if (thread == 0) pair_index[(j + 1) % 2] = int(atomicAdd(&plan.tail_counters[0], 1u));
     }
@@ -909,7 +881,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
   const bool masked = a.relu == Relu::kMaskByDotRows;
   int g = 0;  // steps consumed
   for (int j = 0;; ++j) {
-    mbar_wait(&full[g % kGatherStages], (g / kGatherStages) % 2);  // pair j's first step, or the end
+    tma::mbar_wait(&full[g % kGatherStages], (g / kGatherStages) % 2);  // pair j's first step, or the end
     const int rows = pair_rows[j % 2];
     if (rows < 0) break;
     float acc[2][64];
@@ -923,7 +895,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
     const bool live = fragment_row(0) < rows;
     for (int kt = 0; kt < steps; ++kt, ++g) {
       const int stage = g % kGatherStages;
-      mbar_wait(&full[stage], (g / kGatherStages) % 2);
+      tma::mbar_wait(&full[stage], (g / kGatherStages) % 2);
       wgmma::fence_shared_for_async();  // the copies' writes, before the products read them
       if (live) {
         const unsigned char* as = smem + stage * kGatherStageBytes;
@@ -1022,8 +994,8 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   if (begin0 == end0 && begin1 == end1 && !a0.overwrite) return;
   const int steps0 = int((end0 - begin0 + WS - 1) / WS), steps = steps0 + int((end1 - begin1 + WS - 1) / WS);
   if constexpr (kByTma != kGatherBoth) {
-    if (threadIdx.x < kStages) mbar_init(&full[threadIdx.x], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    if (threadIdx.x < kStages) tma::mbar_init(&full[threadIdx.x], 1);
+    tma::fence_barrier_init();
     __syncthreads();
   }
   const bool a_aligned = vectorizable(a0.A, K) && (uses < 2 || vectorizable(a1.A, K));
@@ -1074,11 +1046,11 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     unsigned char* bs = as + WS * WM * 2;
     if constexpr (kByTma != kGatherBoth) {
       if (threadIdx.x == 0) {
-        mbar_expect_tx(&full[stage], 2 * kSlabBytes);
+        tma::mbar_expect_tx(&full[stage], 2 * kSlabBytes);
         const int col0 = int(kByTma == kTmaA ? k0 : n0), row = int(step_first(step));
         const CUtensorMap* map = second(step) ? &by_position1 : &by_position0;
         for (int h = 0; h < 2; ++h)
-          tma_load_2d((kByTma == kTmaA ? as : bs) + h * kSlabBytes, map, col0 + 64 * h, row, &full[stage]);
+          tma::load_2d((kByTma == kTmaA ? as : bs) + h * kSlabBytes, map, col0 + 64 * h, row, &full[stage]);
       }
     }
     const bf16* A = second(step) ? a1.A : a0.A;
@@ -1099,7 +1071,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   };
   auto landed = [&](int stage, int step) {
     if constexpr (kByTma != kGatherBoth) {
-      mbar_wait(&full[stage], (step / kStages) % 2);
+      tma::mbar_wait(&full[stage], (step / kStages) % 2);
       unsigned char* copied = smem + stage * kStageBytes + (kByTma == kTmaA ? 0 : WS * WM * 2);
       const int64_t first = step_first(step) + row0, end = step_end(step);
 #pragma unroll
@@ -1447,29 +1419,10 @@ void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t st
                    kScatterSmemBytes, stream, plan, a, group);
 }
 
-// cuTensorMapEncodeTiled, from the driver (the runtime does not link it).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    MOEUT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-    if (!fn || found != cudaDriverEntryPointSuccess) throw std::runtime_error("cuTensorMapEncodeTiled not found");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encode;
-}
-
 // A bf16 matrix [rows, width] in boxes of box_rows x 64 columns, 128-byte swizzle.
 CUtensorMap tensor_map(const bf16* base, int64_t width, int64_t rows, int box_rows) {
-  const cuuint64_t dims[2] = {cuuint64_t(width), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(width) * sizeof(bf16)};
-  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, unit[2] = {1, 1};
-  CUtensorMap map;
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(base), dims, strides,
-                                          box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed: " + std::to_string(int(r)));
-  return map;
+  return tma::bf16_map<2>(base, {cuuint64_t(width), cuuint64_t(rows)}, {cuuint64_t(width) * sizeof(bf16)},
+                          {64, cuuint32_t(box_rows)});
 }
 
 // The expert weights as a 2D tensor for the gather kernel's weight slabs, 128-byte swizzled
