@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -318,25 +319,6 @@ __device__ __forceinline__ void a_fragments(uint32_t (&a)[kSteps][4], const floa
     for (int i = 0; i < 4; ++i) a[kk][i] = pack_bf16(acc[8 * kk + 2 * i], acc[8 * kk + 2 * i + 1]);
 }
 
-// Rows [row0, row0 + kRows) of one head (rows `ld` apart, dh <= 128 used) into a swizzled
-// kRows x 128 tile (two slabs of kRows x 64), zeros past dh and past T; 16-byte copies when rows
-// allow them.
-template <int kRows>
-__device__ void load_swizzled_tile(unsigned char* tile, const bf16* src, int64_t ld, int row0, int T, int dh, bool vec) {
-  for (int c = threadIdx.x; c < kRows * 16; c += kWgThreads) {
-    const int r = c / 16, chunk = c % 16, d0 = chunk * 8;
-    unsigned char* to = tile + (chunk / 8) * (kRows * 128) + wgmma::swizzled_chunk(r, chunk % 8);
-    const bf16* from = src + int64_t(row0 + r) * ld + d0;
-    const bool row_ok = row0 + r < T;
-    if (vec && row_ok && d0 + 8 <= dh) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(to)), "l"(from));
-    } else {
-      bf16* out = reinterpret_cast<bf16*>(to);
-      for (int i = 0; i < 8; ++i) out[i] = row_ok && d0 + i < dh ? from[i] : __float2bfloat16(0.f);
-    }
-  }
-}
-
 // The forward's rows come by tensor copies (TMA), so no thread spends its issue slots copying and
 // no block barrier holds the two warpgroups together. One thread of a third, copying warpgroup
 // (40 registers a thread by `setmaxnreg`, which leaves the multiplying ones 232) loads Q once and
@@ -345,7 +327,7 @@ __device__ void load_swizzled_tile(unsigned char* tile, const bf16* src, int64_t
 // The two warpgroups take turns at the tensor cores through two named barriers, as in
 // FlashAttention-3: a warpgroup issues O += P V for the previous tile and S = Q Kᵀ for this one
 // back to back, hands the turn over, and computes this tile's softmax while the other's products
-// run. Reads past dh or T land as zeros, as the copies above write them.
+// run. Reads past dh or T land as zeros (head_rows_map), as the mma.sync kernels' copies write them.
 constexpr int kFwdStages = 2, kFwdThreads = kWgThreads + 128;
 constexpr size_t kFwdSmem = (1 + 2 * kFwdStages) * kWgTile + 1024;  // Q, K and V stages, room to align
 constexpr int kTurnBarrier0 = 1;  // named barriers 1 and 2: warpgroup 0's and 1's turn (0 is __syncthreads)
@@ -358,8 +340,9 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 }
 
 __global__ void __launch_bounds__(kFwdThreads, 1)
-    flash_forward_wgmma(bf16* out, float* lse, int T, int H, int dh, int64_t qk_ld, const __grid_constant__ CUtensorMap q_map,
-                        const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map) {
+    flash_forward_wgmma(bf16* out, float* lse, int T, int H, int dh, int64_t qk_ld,
+                        const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                        const __grid_constant__ CUtensorMap v_map) {
   extern __shared__ __align__(16) unsigned char flash_smem[];
   unsigned char* const Qs = flash_smem + (1024 - smem_u32(flash_smem) % 1024) % 1024;  // slabs 1024-aligned
   unsigned char* const Ks = Qs + kWgTile;                  // [kFwdStages] tiles
@@ -758,7 +741,9 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
 // dims per warpgroup, over the block's 128 keys; dS the MN-major A, K the MN-major B) is added
 // into an fp32 accumulator atomically. Against the mma.sync kernel, each query tile is read from
 // shared memory once per 64 keys instead of once per 16. Shared memory: K, V (32 KB each), Q and
-// dO double-buffered (16 KB each), dSᵀ (16 KB), lse and D: 145 KB, one block per SM.
+// dO double-buffered (16 KB each), dSᵀ (16 KB), lse and D: 145 KB, one block per SM. K, V and
+// each query tile's Q and dO come by tensor copies that one thread issues, on mbarriers, so the
+// copies take no other thread's issue slots and no load/store queue entries beside dQ's atomics.
 constexpr int kWgQueries = 64;
 constexpr uint32_t kWgQuerySlab = kWgQueries * 128;  // bytes of one 64-column slab of a 64-row tile
 constexpr uint32_t kWgQueryTile = 2 * kWgQuerySlab;
@@ -766,9 +751,10 @@ constexpr size_t kWgBackwardSmem =
     2 * kWgTile + 5 * kWgQueryTile + 4 * kWgQueries * sizeof(float) + 1024;  // K, V, Q x 2, dO x 2, dSᵀ
 
 __global__ void __launch_bounds__(kWgThreads, 1)
-    flash_backward_wgmma(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const float* lse, const float* D,
-                         const bf16* q, const bf16* k, const bf16* v, int T, int H, int dh, int64_t grad_ld,
-                         float grad_scale, int64_t qk_ld) {
+    flash_backward_wgmma(bf16* dk, bf16* dv, float* dq_acc, const float* lse, const float* D, int T, int H, int dh,
+                         int64_t grad_ld, float grad_scale, int64_t qk_ld, const __grid_constant__ CUtensorMap q_map,
+                         const __grid_constant__ CUtensorMap dout_map, const __grid_constant__ CUtensorMap k_map,
+                         const __grid_constant__ CUtensorMap v_map) {
   extern __shared__ __align__(16) unsigned char flash_smem[];
   unsigned char* const Ks = flash_smem + (1024 - smem_u32(flash_smem) % 1024) % 1024;  // slabs 1024-aligned
   unsigned char* const Vs = Ks + kWgTile;
@@ -777,27 +763,43 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   unsigned char* const dSs = dOs + 2 * kWgQueryTile;   // [128 keys][64 queries], one slab
   float* const Ls = reinterpret_cast<float*>(dSs + kWgQueryTile);  // [2][64]
   float* const Ds = Ls + 2 * kWgQueries;                          // [2][64]
+  __shared__ alignas(8) uint64_t kv_full, query_full[2];  // K and V landed; query tile buffer b landed
 
   const int tiles = (T + kWgQueries - 1) / kWgQueries;
   const FlashHead f = flash_head(T, H, dh, qk_ld);
   const int bh = f.bh;
-  const int64_t ld = f.ld, base = f.base, qk_base = f.qk_base;
-  const bool vec = rows_16_bytes(f, dh, q, k, v, dout);
+  const int64_t ld = f.ld, base = f.base;
   const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
   const int k0 = f.rank * kFlashBlockRows, first_qt = k0 / kWgQueries;  // rank 0 meets the most queries
+  if (threadIdx.x == 0) {
+    tma::mbar_init(&kv_full, 1);
+    for (uint64_t& bar : query_full) tma::mbar_init(&bar, 1);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
   auto load_query_tile = [&](int buf, int qt) {
-    load_swizzled_tile<kWgQueries>(Qs + buf * kWgQueryTile, q + qk_base, qk_ld, qt * kWgQueries, T, dh, vec);
-    load_swizzled_tile<kWgQueries>(dOs + buf * kWgQueryTile, dout + base, ld, qt * kWgQueries, T, dh, vec);
+    if (threadIdx.x == 0) {
+      tma::mbar_expect_tx(&query_full[buf], int(2 * kWgQueryTile));
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t at = buf * kWgQueryTile + half * kWgQuerySlab;
+        tma::load_4d(Qs + at, &q_map, 64 * half, f.h, qt * kWgQueries, f.b, &query_full[buf]);
+        tma::load_4d(dOs + at, &dout_map, 64 * half, f.h, qt * kWgQueries, f.b, &query_full[buf]);
+      }
+    }
     for (int r = threadIdx.x; r < kWgQueries; r += kWgThreads) {  // rows past T: finite, contribute 0
       const int t = qt * kWgQueries + r;
       Ls[buf * kWgQueries + r] = t < T ? lse[int64_t(bh) * T + t] : 0.f;
       Ds[buf * kWgQueries + r] = t < T ? D[int64_t(bh) * T + t] : 0.f;
     }
   };
-  load_swizzled_tile<128>(Ks, k + qk_base, qk_ld, k0, T, dh, vec);
-  load_swizzled_tile<128>(Vs, v + base, ld, k0, T, dh, vec);
+  if (threadIdx.x == 0) {
+    tma::mbar_expect_tx(&kv_full, int(2 * kWgTile));
+    for (int half = 0; half < 2; ++half) {
+      tma::load_4d(Ks + half * kWgSlab, &k_map, 64 * half, f.h, k0, f.b, &kv_full);
+      tma::load_4d(Vs + half * kWgSlab, &v_map, 64 * half, f.h, k0, f.b, &kv_full);
+    }
+  }
   load_query_tile(0, first_qt);
-  asm volatile("cp.async.commit_group;\n" ::);
 
   const int wg = threadIdx.x / 128, wg_key0 = k0 + 64 * wg;  // this warpgroup's first key
   const int warp_key0 = wg_key0 + (threadIdx.x % 128 / 32) * 16;
@@ -809,13 +811,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   // Two barriers per query tile. Past the first, this tile has landed and every thread is done
   // with the previous one, whose buffers (and dSᵀ) then take the next tile's copies.
+  tma::mbar_wait(&kv_full, 0);
   for (int qt = first_qt; qt < tiles; ++qt) {
     const int buf = (qt - first_qt) & 1, query0 = qt * kWgQueries;
-    asm volatile("cp.async.wait_group 0;\n" ::);
-    wgmma::fence_shared_for_async();
+    tma::mbar_wait(&query_full[buf], (qt - first_qt) / 2 % 2);
     __syncthreads();
     if (qt + 1 < tiles) load_query_tile(buf ^ 1, qt + 1);
-    asm volatile("cp.async.commit_group;\n" ::);
     const uint32_t q_tile = smem_u32(Qs + buf * kWgQueryTile), do_tile = smem_u32(dOs + buf * kWgQueryTile);
     if (wg_key0 <= query0 + kWgQueries - 1) {  // some query of the tile sees some key of this warpgroup
       // Sᵀ and dPᵀ, 8 steps of 16 head dims each (4 per slab), issued together.
@@ -867,29 +868,34 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma::wait<0>();  // dV and dK's products too
     add_dq<8>(dq_acc + base, dq, query0 + wgmma::acc_row(0), 64 * wg, T, dh, ld, dq_vec4);
   }
-  asm volatile("cp.async.wait_group 0;\n" ::);
   store_dk_dv<16>(dk + int64_t(f.b) * T * grad_ld + int64_t(f.h) * dh, dv + base, dk_acc, dv_acc, key_a, T, dh, grad_ld,
                   ld, grad_scale);
 }
 
 // One head's rows of a [B, T, H, dh] tensor whose token rows are row_ld elements apart, as the
-// 4D tensor {dh, H, T, B} in boxes of 64 head dims x 128 rows of one head: reads past dh or T land
-// as zeros.
-CUtensorMap head_rows_map(const bf16* x, int64_t B, int64_t T, int64_t H, int64_t dh, int64_t row_ld) {
+// 4D tensor {dh, H, T, B} in boxes of 64 head dims x box_rows rows of one head: reads past dh or T
+// land as zeros.
+CUtensorMap head_rows_map(const bf16* x, int64_t B, int64_t T, int64_t H, int64_t dh, int64_t row_ld, int box_rows) {
   const cuuint64_t e = sizeof(bf16);
   return tma::bf16_map<4>(x, {cuuint64_t(dh), cuuint64_t(H), cuuint64_t(T), cuuint64_t(B)},
-                          {dh * e, row_ld * e, T * row_ld * e}, {64, 1, cuuint32_t(kWgKeys), 1});
+                          {dh * e, row_ld * e, T * row_ld * e}, {64, 1, cuuint32_t(box_rows), 1});
+}
+// Whether tensor copies can take the heads' rows: dh, the rows' strides and every tensor's start
+// in whole 16 bytes (the rows of v, dout and out are H·dh apart).
+bool head_rows_by_tensor_copies(int64_t dh, int64_t qk_ld, std::initializer_list<const bf16*> tensors) {
+  return dh % 8 == 0 && qk_ld % 8 == 0 &&
+         std::all_of(tensors.begin(), tensors.end(),
+                     [](const bf16* x) { return reinterpret_cast<uintptr_t>(x) % 16 == 0; });
 }
 
 template <int kD>
 void launch_flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T,
                           int64_t H, int64_t dh, int64_t qk_ld, cudaStream_t stream) {
-  const auto aligned = [](const void* x) { return reinterpret_cast<uintptr_t>(x) % 16 == 0; };
-  // Head sizes 97..128 on wgmma, when tensor copies can take the rows (strides and starts in
-  // whole 16 bytes); others on mma.sync.
-  if (kD == 128 && dh % 8 == 0 && qk_ld % 8 == 0 && aligned(q) && aligned(k) && aligned(v) && aligned(out)) {
-    const CUtensorMap q_map = head_rows_map(q, B, T, H, dh, qk_ld), k_map = head_rows_map(k, B, T, H, dh, qk_ld),
-                      v_map = head_rows_map(v, B, T, H, dh, H * dh);
+  // Head sizes 97..128 on wgmma when tensor copies can take the rows, others on mma.sync.
+  if (kD == 128 && head_rows_by_tensor_copies(dh, qk_ld, {q, k, v, out})) {
+    const CUtensorMap q_map = head_rows_map(q, B, T, H, dh, qk_ld, kWgKeys),
+                      k_map = head_rows_map(k, B, T, H, dh, qk_ld, kWgKeys),
+                      v_map = head_rows_map(v, B, T, H, dh, H * dh, kWgKeys);
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFwdSmem)));
     flash_forward_wgmma<<<flash_blocks(B, T, H), kFwdThreads, kFwdSmem, stream>>>(out, lse, int(T), int(H), int(dh), qk_ld,
                                                                                   q_map, k_map, v_map);
@@ -906,11 +912,15 @@ template <int kD>
 void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, const float* lse, const float* D,
                            const bf16* q, const bf16* k, const bf16* v, int64_t B, int64_t T, int64_t H, int64_t dh,
                            int64_t grad_ld, float grad_scale, int64_t qk_ld, cudaStream_t stream) {
-  if constexpr (kD == 128) {  // head sizes 97..128: on wgmma
+  if (kD == 128 && head_rows_by_tensor_copies(dh, qk_ld, {q, k, v, dout})) {
+    const CUtensorMap q_map = head_rows_map(q, B, T, H, dh, qk_ld, kWgQueries),
+                      dout_map = head_rows_map(dout, B, T, H, dh, H * dh, kWgQueries),
+                      k_map = head_rows_map(k, B, T, H, dh, qk_ld, kWgKeys),
+                      v_map = head_rows_map(v, B, T, H, dh, H * dh, kWgKeys);
     MOEUT_CUDA_CHECK(
         cudaFuncSetAttribute(flash_backward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWgBackwardSmem)));
     flash_backward_wgmma<<<flash_blocks(B, T, H), kWgThreads, kWgBackwardSmem, stream>>>(
-        dk, dv, dq_acc, dout, lse, D, q, k, v, int(T), int(H), int(dh), grad_ld, grad_scale, qk_ld);
+        dk, dv, dq_acc, lse, D, int(T), int(H), int(dh), grad_ld, grad_scale, qk_ld, q_map, dout_map, k_map, v_map);
   } else {
     const size_t bytes = sizeof(bf16) * ((2 * kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8) +
                                          kFlashBlockRows * (kFlashTileRows + 8)) +

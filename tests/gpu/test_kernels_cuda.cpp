@@ -302,9 +302,9 @@ TEST_F(GpuTest, CausalAttentionMatchesTheCpuReference) {
   struct Case { int64_t B, T, H, dh; };
   // Head sizes of every profile (the flash kernels pad them to 32, 96 or 128), sequence lengths
   // on and off their 128-row blocks and 64-row tiles (320: two and a half blocks, five tiles),
-  // and one head size above 128 (the cuBLAS path). 128, 120, 112 (with an odd T) and 100 take the
-  // wgmma backward (100, its rows not 16 bytes apart, element by element); all but 100 the wgmma
-  // forward by tensor copies (120 and 112 below 128 columns), 100 the mma.sync forward.
+  // and one head size above 128 (the cuBLAS path). 128, 120 and 112 (with an odd T) take the
+  // wgmma kernels, their rows by tensor copies (120 and 112 below 128 columns); 100, its rows not
+  // 16 bytes apart, the mma.sync kernels.
   for (const Case& c : {Case{2, 1024, 2, 128}, Case{3, 100, 4, 82}, Case{2, 130, 3, 96}, Case{4, 64, 2, 32},
                         Case{2, 320, 2, 64}, Case{1, 70, 2, 136}, Case{2, 200, 3, 120}, Case{1, 150, 2, 100},
                         Case{2, 77, 2, 112}}) {
