@@ -8,6 +8,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/with_ceiling.h"
 #include "kernels/lane_reduce.cuh"
+#include "kernels/named_barrier.cuh"
 #include "kernels/tma.cuh"
 #include "kernels/wgmma.cuh"
 
@@ -332,13 +333,6 @@ constexpr int kFwdStages = 2, kFwdThreads = kWgThreads + 128;
 constexpr size_t kFwdSmem = (1 + 2 * kFwdStages) * kWgTile + 1024;  // Q, K and V stages, room to align
 constexpr int kTurnBarrier0 = 1;  // named barriers 1 and 2: warpgroup 0's and 1's turn (0 is __syncthreads)
 
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 __global__ void __launch_bounds__(kFwdThreads, 1)
     flash_forward_wgmma(bf16* out, float* lse, int T, int H, int dh, int64_t qk_ld,
                         const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -413,14 +407,14 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     a_fragments(p, s);
   };
   const int my_turn = kTurnBarrier0 + wg, their_turn = kTurnBarrier0 + 1 - wg;
-  if (wg == 1) named_barrier_arrive(their_turn, kWgThreads);  // warpgroup 0 goes first
+  if (wg == 1) bar_arrive(their_turn, kWgThreads);  // warpgroup 0 goes first
   tma::mbar_wait(&q_full, 0);
   tma::mbar_wait(&kv_full[0], 0);
-  named_barrier_sync(my_turn, kWgThreads);
+  bar_sync(my_turn, kWgThreads);
   wgmma::fence();
   issue_scores(0);
   wgmma::commit();
-  named_barrier_arrive(their_turn, kWgThreads);
+  bar_arrive(their_turn, kWgThreads);
   wgmma::wait<0>();
   softmax(0);
   // Step kt: O += P V for tile kt - 1 and S = Q Kᵀ for tile kt issued back to back in this
@@ -428,21 +422,21 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
   for (int kt = 1; kt <= last_kt; ++kt) {
     const int st = kt % kFwdStages, prev = (kt - 1) % kFwdStages;
     tma::mbar_wait(&kv_full[st], (kt / kFwdStages) % 2);
-    named_barrier_sync(my_turn, kWgThreads);
+    bar_sync(my_turn, kWgThreads);
     wgmma::fence();
     issue_values(prev);
     issue_scores(st);
     wgmma::commit();
-    named_barrier_arrive(their_turn, kWgThreads);
+    bar_arrive(their_turn, kWgThreads);
     wgmma::wait<0>();
     tma::mbar_arrive(&kv_empty[prev]);
     softmax(kt);
   }
-  named_barrier_sync(my_turn, kWgThreads);
+  bar_sync(my_turn, kWgThreads);
   wgmma::fence();
   issue_values(last_kt % kFwdStages);
   wgmma::commit();
-  if (wg == 0) named_barrier_arrive(their_turn, kWgThreads);  // warpgroup 1's last turn hands over to nobody
+  if (wg == 0) bar_arrive(their_turn, kWgThreads);  // warpgroup 1's last turn hands over to nobody
   wgmma::wait<0>();
   l_a = group_sum<4>(l_a), l_b = group_sum<4>(l_b);
   const float inv_a = 1.f / l_a, inv_b = 1.f / l_b;

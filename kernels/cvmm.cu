@@ -16,6 +16,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/cvmm_cuda.h"
+#include "kernels/named_barrier.cuh"
 #include "kernels/tma.cuh"
 #include "kernels/wgmma.cuh"
 #include "kernels/lane_reduce.cuh"
@@ -374,12 +375,6 @@ static_assert(kSlabA == kSlabB, "row and weight slabs are the same size");
 // Two row stages, two weight buffers, the fp32 tile.
 constexpr size_t kScatterSmemBytes = kSmemAlign + 4 * size_t(kOperandBytes) + sizeof(float) * BM * BN;
 enum ScatterBarrier { kProducts = 1, kTileFull, kTileEmpty };  // 0 is __syncthreads'
-__device__ __forceinline__ void bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 // An item as looked up, level by level (in registers, then in its slot). No item (past the
 // block's items, or a band past N): expert -1, live 0.
