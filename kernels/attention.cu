@@ -734,17 +734,25 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
 // and dO, Q as MN-major B. dSᵀ also goes to shared memory, where dQ = dS K (64 queries x 64 head
 // dims per warpgroup, over the block's 128 keys; dS the MN-major A, K the MN-major B) is added
 // into an fp32 accumulator atomically. Against the mma.sync kernel, each query tile is read from
-// shared memory once per 64 keys instead of once per 16. Shared memory: K, V (32 KB each), Q and
-// dO double-buffered (16 KB each), dSᵀ (16 KB), lse and D: 145 KB, one block per SM. K, V and
-// each query tile's Q and dO come by tensor copies that one thread issues, on mbarriers, so the
-// copies take no other thread's issue slots and no load/store queue entries beside dQ's atomics.
+// shared memory once per 64 keys instead of once per 16. Shared memory: K, V (32 KB each), Q, dO
+// and dSᵀ double-buffered (16 KB each), lse and D: 161 KB, one block per SM. K, V and each query
+// tile's Q and dO come by tensor copies, so the copies take no multiplying thread's issue slots
+// and no load/store queue entries beside dQ's atomics.
 constexpr int kWgQueries = 64;
 constexpr uint32_t kWgQuerySlab = kWgQueries * 128;  // bytes of one 64-column slab of a 64-row tile
 constexpr uint32_t kWgQueryTile = 2 * kWgQuerySlab;
 constexpr size_t kWgBackwardSmem =
-    2 * kWgTile + 5 * kWgQueryTile + 4 * kWgQueries * sizeof(float) + 1024;  // K, V, Q x 2, dO x 2, dSᵀ
+    2 * kWgTile + 6 * kWgQueryTile + 4 * kWgQueries * sizeof(float) + 1024;  // K, V, Q x 2, dO x 2, dSᵀ x 2
+constexpr int kBwdThreads = kWgThreads + 128;  // two multiplying warpgroups and a copying one
+constexpr int kDsBarrier = 1;                  // named barrier: both warpgroups' dSᵀ rows of a tile written
 
-__global__ void __launch_bounds__(kWgThreads, 1)
+// A copying warpgroup (`setmaxnreg` 24; the multiplying ones 240, as FlashAttention-3's backward
+// has them) keeps two query tiles ahead: one thread issues Q's and dO's tensor copies, and all
+// 128 put lse and D into the stage, which is full on its mbarrier when both have landed and empty
+// once the 256 multiplying threads have arrived after the tile's last product. dSᵀ is
+// double-buffered, so the one barrier a tile left is between the two multiplying warpgroups
+// (both halves of dSᵀ written before dQ = dS K reads them); the loads no longer hold them.
+__global__ void __launch_bounds__(kBwdThreads, 1)
     flash_backward_wgmma(bf16* dk, bf16* dv, float* dq_acc, const float* lse, const float* D, int T, int H, int dh,
                          int64_t grad_ld, float grad_scale, int64_t qk_ld, const __grid_constant__ CUtensorMap q_map,
                          const __grid_constant__ CUtensorMap dout_map, const __grid_constant__ CUtensorMap k_map,
@@ -754,47 +762,54 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   unsigned char* const Vs = Ks + kWgTile;
   unsigned char* const Qs = Vs + kWgTile;              // [2] tiles
   unsigned char* const dOs = Qs + 2 * kWgQueryTile;    // [2] tiles
-  unsigned char* const dSs = dOs + 2 * kWgQueryTile;   // [128 keys][64 queries], one slab
-  float* const Ls = reinterpret_cast<float*>(dSs + kWgQueryTile);  // [2][64]
-  float* const Ds = Ls + 2 * kWgQueries;                          // [2][64]
-  __shared__ alignas(8) uint64_t kv_full, query_full[2];  // K and V landed; query tile buffer b landed
+  unsigned char* const dSs = dOs + 2 * kWgQueryTile;   // [2] x [128 keys][64 queries], one slab each
+  float* const Ls = reinterpret_cast<float*>(dSs + 2 * kWgQueryTile);  // [2][64]
+  float* const Ds = Ls + 2 * kWgQueries;                              // [2][64]
+  __shared__ alignas(8) uint64_t kv_full, full[2], empty[2];
 
   const int tiles = (T + kWgQueries - 1) / kWgQueries;
   const FlashHead f = flash_head(T, H, dh, qk_ld);
   const int bh = f.bh;
   const int64_t ld = f.ld, base = f.base;
-  const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
   const int k0 = f.rank * kFlashBlockRows, first_qt = k0 / kWgQueries;  // rank 0 meets the most queries
   if (threadIdx.x == 0) {
     tma::mbar_init(&kv_full, 1);
-    for (uint64_t& bar : query_full) tma::mbar_init(&bar, 1);
+    for (int st = 0; st < 2; ++st) tma::mbar_init(&full[st], 1 + 128), tma::mbar_init(&empty[st], kWgThreads);
     tma::fence_barrier_init();
   }
   __syncthreads();
-  auto load_query_tile = [&](int buf, int qt) {
-    if (threadIdx.x == 0) {
-      tma::mbar_expect_tx(&query_full[buf], int(2 * kWgQueryTile));
+
+  if (threadIdx.x >= kWgThreads) {  // the copying warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    const int r = threadIdx.x - kWgThreads;  // 0..63: lse rows, 64..127: D rows
+    if (r == 0) {
+      tma::mbar_expect_tx(&kv_full, int(2 * kWgTile));
       for (int half = 0; half < 2; ++half) {
-        const uint32_t at = buf * kWgQueryTile + half * kWgQuerySlab;
-        tma::load_4d(Qs + at, &q_map, 64 * half, f.h, qt * kWgQueries, f.b, &query_full[buf]);
-        tma::load_4d(dOs + at, &dout_map, 64 * half, f.h, qt * kWgQueries, f.b, &query_full[buf]);
+        tma::load_4d(Ks + half * kWgSlab, &k_map, 64 * half, f.h, k0, f.b, &kv_full);
+        tma::load_4d(Vs + half * kWgSlab, &v_map, 64 * half, f.h, k0, f.b, &kv_full);
       }
     }
-    for (int r = threadIdx.x; r < kWgQueries; r += kWgThreads) {  // rows past T: finite, contribute 0
-      const int t = qt * kWgQueries + r;
-      Ls[buf * kWgQueries + r] = t < T ? lse[int64_t(bh) * T + t] : 0.f;
-      Ds[buf * kWgQueries + r] = t < T ? D[int64_t(bh) * T + t] : 0.f;
+    for (int qt = first_qt, i = 0; qt < tiles; ++qt, ++i) {
+      const int st = i % 2;
+      if (i >= 2) tma::mbar_wait(&empty[st], (i / 2 - 1) % 2);
+      if (r == 0) {
+        tma::mbar_expect_tx(&full[st], int(2 * kWgQueryTile));
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t at = st * kWgQueryTile + half * kWgQuerySlab;
+          tma::load_4d(Qs + at, &q_map, 64 * half, f.h, qt * kWgQueries, f.b, &full[st]);
+          tma::load_4d(dOs + at, &dout_map, 64 * half, f.h, qt * kWgQueries, f.b, &full[st]);
+        }
+      }
+      const int t = qt * kWgQueries + r % kWgQueries;  // rows past T: finite, contribute 0
+      if (r < kWgQueries) Ls[st * kWgQueries + r] = t < T ? lse[int64_t(bh) * T + t] : 0.f;
+      else Ds[st * kWgQueries + r - kWgQueries] = t < T ? D[int64_t(bh) * T + t] : 0.f;
+      tma::mbar_arrive(&full[st]);
     }
-  };
-  if (threadIdx.x == 0) {
-    tma::mbar_expect_tx(&kv_full, int(2 * kWgTile));
-    for (int half = 0; half < 2; ++half) {
-      tma::load_4d(Ks + half * kWgSlab, &k_map, 64 * half, f.h, k0, f.b, &kv_full);
-      tma::load_4d(Vs + half * kWgSlab, &v_map, 64 * half, f.h, k0, f.b, &kv_full);
-    }
+    return;
   }
-  load_query_tile(0, first_qt);
 
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
   const int wg = threadIdx.x / 128, wg_key0 = k0 + 64 * wg;  // this warpgroup's first key
   const int warp_key0 = wg_key0 + (threadIdx.x % 128 / 32) * 16;
   const int key_a = wg_key0 + wgmma::acc_row(0);  // this thread's keys: key_a, key_a + 8
@@ -803,15 +818,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
   for (int j = 0; j < 64; ++j) dk_acc[j] = dv_acc[j] = 0.f;
 
-  // Two barriers per query tile. Past the first, this tile has landed and every thread is done
-  // with the previous one, whose buffers (and dSᵀ) then take the next tile's copies.
   tma::mbar_wait(&kv_full, 0);
-  for (int qt = first_qt; qt < tiles; ++qt) {
-    const int buf = (qt - first_qt) & 1, query0 = qt * kWgQueries;
-    tma::mbar_wait(&query_full[buf], (qt - first_qt) / 2 % 2);
-    __syncthreads();
-    if (qt + 1 < tiles) load_query_tile(buf ^ 1, qt + 1);
-    const uint32_t q_tile = smem_u32(Qs + buf * kWgQueryTile), do_tile = smem_u32(dOs + buf * kWgQueryTile);
+  for (int qt = first_qt, i = 0; qt < tiles; ++qt, ++i) {
+    const int st = i % 2, query0 = qt * kWgQueries;
+    unsigned char* const dS = dSs + st * kWgQueryTile;
+    tma::mbar_wait(&full[st], (i / 2) % 2);
+    const uint32_t q_tile = smem_u32(Qs + st * kWgQueryTile), do_tile = smem_u32(dOs + st * kWgQueryTile);
     if (wg_key0 <= query0 + kWgQueries - 1) {  // some query of the tile sees some key of this warpgroup
       // Sᵀ and dPᵀ, 8 steps of 16 head dims each (4 per slab), issued together.
       float s[32], dp[32];
@@ -826,8 +838,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                                    wgmma::k_major(do_tile + (kk / 4) * kWgQuerySlab, kk % 4), kk > 0);
       wgmma::commit();
       wgmma::wait<0>();
-      softmax_grad_tile<8>(s, dp, key_a, query0, warp_key0 + 15 > query0, Ls + buf * kWgQueries,
-                           Ds + buf * kWgQueries);
+      softmax_grad_tile<8>(s, dp, key_a, query0, warp_key0 + 15 > query0, Ls + st * kWgQueries, Ds + st * kWgQueries);
       // Pᵀ and dSᵀ as A fragments, 16 queries a step, packed whole before the products; dSᵀ
       // also into shared memory (row: key, chunk: 8 queries).
       uint32_t pa[4][4], sa[4][4];
@@ -836,30 +847,32 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
       for (int j = 0; j < 32; j += 2) {  // elements j, j + 1: adjacent queries of one key
         const int row = 64 * wg + wgmma::acc_row(j), col = wgmma::acc_col(j);
-        *reinterpret_cast<uint32_t*>(dSs + wgmma::swizzled_chunk(row, col / 8) + 2 * (col % 8)) =
-            sa[j / 8][(j % 8) / 2];
+        *reinterpret_cast<uint32_t*>(dS + wgmma::swizzled_chunk(row, col / 8) + 2 * (col % 8)) = sa[j / 8][(j % 8) / 2];
       }
       wgmma::fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma::mma_m64n128k16_rs<1>(dv_acc, pa[kk], wgmma::mn_major(do_tile, kWgQuerySlab, kk));
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma::mma_m64n128k16_rs<1>(dv_acc, pa[kk], wgmma::mn_major(do_tile, kWgQuerySlab, kk));
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma::mma_m64n128k16_rs<1>(dk_acc, sa[kk], wgmma::mn_major(q_tile, kWgQuerySlab, kk));
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma::mma_m64n128k16_rs<1>(dk_acc, sa[kk], wgmma::mn_major(q_tile, kWgQuerySlab, kk));
       wgmma::commit();
     } else {  // every key of this warpgroup comes after every query of the tile: dSᵀ rows zero
-      for (int i = threadIdx.x % 128; i < 64 * 8; i += 128)
-        *reinterpret_cast<uint4*>(dSs + wgmma::swizzled_chunk(64 * wg + i / 8, i % 8)) = make_uint4(0, 0, 0, 0);
+      for (int j = threadIdx.x % 128; j < 64 * 8; j += 128)
+        *reinterpret_cast<uint4*>(dS + wgmma::swizzled_chunk(64 * wg + j / 8, j % 8)) = make_uint4(0, 0, 0, 0);
     }
     wgmma::fence_shared_for_async();
-    __syncthreads();
+    bar_sync(kDsBarrier, kWgThreads);
     // dQ = dS K: warpgroup wg takes head dims 64 wg .. 64 wg + 63, 8 steps of 16 keys.
     float dq[32];
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
-      wgmma::mma_m64n64k16<1, 1>(dq, wgmma::mn_major(smem_u32(dSs), kWgQueryTile, kk),
+      wgmma::mma_m64n64k16<1, 1>(dq, wgmma::mn_major(smem_u32(dS), kWgQueryTile, kk),
                                  wgmma::mn_major(smem_u32(Ks) + wg * kWgSlab, kWgSlab, kk), kk > 0);
     wgmma::commit();
     wgmma::wait<0>();  // dV and dK's products too
+    tma::mbar_arrive(&empty[st]);
     add_dq<8>(dq_acc + base, dq, query0 + wgmma::acc_row(0), 64 * wg, T, dh, ld, dq_vec4);
   }
   store_dk_dv<16>(dk + int64_t(f.b) * T * grad_ld + int64_t(f.h) * dh, dv + base, dk_acc, dv_acc, key_a, T, dh, grad_ld,
@@ -913,7 +926,7 @@ void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, 
                       v_map = head_rows_map(v, B, T, H, dh, H * dh, kWgKeys);
     MOEUT_CUDA_CHECK(
         cudaFuncSetAttribute(flash_backward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWgBackwardSmem)));
-    flash_backward_wgmma<<<flash_blocks(B, T, H), kWgThreads, kWgBackwardSmem, stream>>>(
+    flash_backward_wgmma<<<flash_blocks(B, T, H), kBwdThreads, kWgBackwardSmem, stream>>>(
         dk, dv, dq_acc, lse, D, int(T), int(H), int(dh), grad_ld, grad_scale, qk_ld, q_map, dout_map, k_map, v_map);
   } else {
     const size_t bytes = sizeof(bf16) * ((2 * kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8) +
