@@ -170,32 +170,33 @@ __host__ inline unsigned flash_blocks(int64_t B, int64_t T, int64_t H) {
   return unsigned((T + kFlashBlockRows - 1) / kFlashBlockRows * B * H);
 }
 // A flash block's (sequence, head) and its rank among that head's `tiles` blocks of 128 rows (0:
-// the longest, see flash_block), with where the head's rows start in the [B, T, H, dh] tensors
-// (q and k: in theirs, whose token rows are qk_ld elements apart).
+// the longest, see flash_block), with where the head's rows start in the [B, T, H, dh] tensors.
 struct FlashHead {
   int tiles, rank, bh, b, h;
-  int64_t ld, base, qk_ld, qk_base;
+  int64_t ld, base;
   // In the forward pass: the block's first query row (rank 0 takes the last query block, which
   // attends to the most keys), and the last key tile of `key_rows` rows that its rows see.
   __device__ int forward_rows() const { return (tiles - 1 - rank) * kFlashBlockRows; }
   __device__ int last_key_tile(int T, int key_rows) const {
     return min(T - 1, forward_rows() + kFlashBlockRows - 1) / key_rows;
   }
+  // Where the head's rows start in a tensor whose token rows are row_ld elements apart (q and k).
+  __device__ int64_t base_in(int T, int dh, int64_t row_ld) const { return int64_t(b) * T * row_ld + int64_t(h) * dh; }
 };
-__device__ __forceinline__ FlashHead flash_head(int T, int H, int dh, int64_t qk_ld) {
+__device__ __forceinline__ FlashHead flash_head(int T, int H, int dh) {
   const int tiles = (T + kFlashBlockRows - 1) / kFlashBlockRows;
   const FlashBlock blk = flash_block(tiles, int(gridDim.x) / tiles);
   const int b = blk.bh / H, h = blk.bh % H;
   const int64_t ld = int64_t(H) * dh;
-  return {tiles, blk.rank, blk.bh, b, h, ld, int64_t(b) * T * ld + int64_t(h) * dh,
-          qk_ld, int64_t(b) * T * qk_ld + int64_t(h) * dh};
+  return {tiles, blk.rank, blk.bh, b, h, ld, int64_t(b) * T * ld + int64_t(h) * dh};
 }
-// Whether the head's rows in q, k and every other tensor given allow 16-byte copies.
+// Whether the head's rows in q and k (qk_ld apart, from qk_base) and in every other tensor given
+// allow 16-byte copies.
 template <class... Tensors>
-__device__ __forceinline__ bool rows_16_bytes(const FlashHead& f, int dh, const bf16* q, const bf16* k,
-                                              const Tensors*... x) {
+__device__ __forceinline__ bool rows_16_bytes(const FlashHead& f, int dh, int64_t qk_ld, int64_t qk_base, const bf16* q,
+                                              const bf16* k, const Tensors*... x) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  return dh % 8 == 0 && f.ld % 8 == 0 && f.qk_ld % 8 == 0 && aligned(q + f.qk_base) && aligned(k + f.qk_base) &&
+  return dh % 8 == 0 && f.ld % 8 == 0 && qk_ld % 8 == 0 && aligned(q + qk_base) && aligned(k + qk_base) &&
          (aligned(x + f.base) && ...);
 }
 
@@ -207,10 +208,10 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
   bf16* Qs = reinterpret_cast<bf16*>(flash_smem);    // [128][kStride]
   bf16* Ks = Qs + kFlashBlockRows * kStride;          // [2][64][kStride]
   bf16* Vs = Ks + 2 * kTile;                          // [2][64][kStride]
-  const FlashHead f = flash_head(T, H, dh, qk_ld);
+  const FlashHead f = flash_head(T, H, dh);
   const int bh = f.bh, q0 = f.forward_rows(), last_kt = f.last_key_tile(T, kFlashTileRows);
-  const int64_t ld = f.ld, base = f.base, qk_base = f.qk_base;
-  const bool vec = rows_16_bytes(f, dh, q, k, v);
+  const int64_t ld = f.ld, base = f.base, qk_base = f.base_in(T, dh, qk_ld);
+  const bool vec = rows_16_bytes(f, dh, qk_ld, qk_base, q, k, v);
 
   load_head_tile<kD, kFlashBlockRows>(Qs, q + qk_base, qk_ld, q0, T, dh, vec);
   load_head_tile<kD, kFlashTileRows>(Ks, k + qk_base, qk_ld, 0, T, dh, vec);
@@ -334,7 +335,7 @@ constexpr size_t kFwdSmem = (1 + 2 * kFwdStages) * kWgTile + 1024;  // Q, K and 
 constexpr int kTurnBarrier0 = 1;  // named barriers 1 and 2: warpgroup 0's and 1's turn (0 is __syncthreads)
 
 __global__ void __launch_bounds__(kFwdThreads, 1)
-    flash_forward_wgmma(bf16* out, float* lse, int T, int H, int dh, int64_t qk_ld,
+    flash_forward_wgmma(bf16* out, float* lse, int T, int H, int dh,
                         const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                         const __grid_constant__ CUtensorMap v_map) {
   extern __shared__ __align__(16) unsigned char flash_smem[];
@@ -342,7 +343,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
   unsigned char* const Ks = Qs + kWgTile;                  // [kFwdStages] tiles
   unsigned char* const Vs = Ks + kFwdStages * kWgTile;     // [kFwdStages] tiles
   __shared__ alignas(8) uint64_t q_full, kv_full[kFwdStages], kv_empty[kFwdStages];
-  const FlashHead f = flash_head(T, H, dh, qk_ld);
+  const FlashHead f = flash_head(T, H, dh);
   const int bh = f.bh, q0 = f.forward_rows(), last_kt = f.last_key_tile(T, kWgKeys);
   if (threadIdx.x == 0) {
     tma::mbar_init(&q_full, 1);
@@ -601,10 +602,10 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
   float* Ds = Ls + 2 * kFlashTileRows;                                     // [2][64]
 
   const int tiles = (T + kFlashTileRows - 1) / kFlashTileRows;
-  const FlashHead f = flash_head(T, H, dh, qk_ld);
+  const FlashHead f = flash_head(T, H, dh);
   const int kt = f.rank, bh = f.bh, b = f.b, h = f.h;  // the first key tile meets the most queries
-  const int64_t ld = f.ld, base = f.base, qk_base = f.qk_base;
-  const bool vec = rows_16_bytes(f, dh, q, k, v, dout);
+  const int64_t ld = f.ld, base = f.base, qk_base = f.base_in(T, dh, qk_ld);
+  const bool vec = rows_16_bytes(f, dh, qk_ld, qk_base, q, k, v, dout);
   const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
   const int k0 = kt * kFlashBlockRows, first_qt = k0 / kFlashTileRows;
   auto load_query_tile = [&](int buf, int qt) {
@@ -754,7 +755,7 @@ constexpr int kDsBarrier = 1;                  // named barrier: both warpgroups
 // (both halves of dSᵀ written before dQ = dS K reads them); the loads no longer hold them.
 __global__ void __launch_bounds__(kBwdThreads, 1)
     flash_backward_wgmma(bf16* dk, bf16* dv, float* dq_acc, const float* lse, const float* D, int T, int H, int dh,
-                         int64_t grad_ld, float grad_scale, int64_t qk_ld, const __grid_constant__ CUtensorMap q_map,
+                         int64_t grad_ld, float grad_scale, const __grid_constant__ CUtensorMap q_map,
                          const __grid_constant__ CUtensorMap dout_map, const __grid_constant__ CUtensorMap k_map,
                          const __grid_constant__ CUtensorMap v_map) {
   extern __shared__ __align__(16) unsigned char flash_smem[];
@@ -768,7 +769,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   __shared__ alignas(8) uint64_t kv_full, full[2], empty[2];
 
   const int tiles = (T + kWgQueries - 1) / kWgQueries;
-  const FlashHead f = flash_head(T, H, dh, qk_ld);
+  const FlashHead f = flash_head(T, H, dh);
   const int bh = f.bh;
   const int64_t ld = f.ld, base = f.base;
   const int k0 = f.rank * kFlashBlockRows, first_qt = k0 / kWgQueries;  // rank 0 meets the most queries
@@ -904,8 +905,8 @@ void launch_flash_forward(bf16* out, float* lse, const bf16* q, const bf16* k, c
                       k_map = head_rows_map(k, B, T, H, dh, qk_ld, kWgKeys),
                       v_map = head_rows_map(v, B, T, H, dh, H * dh, kWgKeys);
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kFwdSmem)));
-    flash_forward_wgmma<<<flash_blocks(B, T, H), kFwdThreads, kFwdSmem, stream>>>(out, lse, int(T), int(H), int(dh), qk_ld,
-                                                                                  q_map, k_map, v_map);
+    flash_forward_wgmma<<<flash_blocks(B, T, H), kFwdThreads, kFwdSmem, stream>>>(out, lse, int(T), int(H), int(dh), q_map,
+                                                                                  k_map, v_map);
   } else {
     const size_t bytes = sizeof(bf16) * (kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8);
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(flash_forward<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
@@ -927,7 +928,7 @@ void launch_flash_backward(bf16* dk, bf16* dv, float* dq_acc, const bf16* dout, 
     MOEUT_CUDA_CHECK(
         cudaFuncSetAttribute(flash_backward_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kWgBackwardSmem)));
     flash_backward_wgmma<<<flash_blocks(B, T, H), kBwdThreads, kWgBackwardSmem, stream>>>(
-        dk, dv, dq_acc, lse, D, int(T), int(H), int(dh), grad_ld, grad_scale, qk_ld, q_map, dout_map, k_map, v_map);
+        dk, dv, dq_acc, lse, D, int(T), int(H), int(dh), grad_ld, grad_scale, q_map, dout_map, k_map, v_map);
   } else {
     const size_t bytes = sizeof(bf16) * ((2 * kFlashBlockRows + 4 * kFlashTileRows) * (kD + 8) +
                                          kFlashBlockRows * (kFlashTileRows + 8)) +
