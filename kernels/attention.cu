@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kFlashThreads, 2) flash_forward(bf16* out, flo
 // the A operand of O += P V (an m64n128 accumulator's layout is the A fragment's, 16 keys per
 // step). Against the mma.sync kernel above, each key tile is read from shared memory once per
 // 64 rows instead of once per 16. Tiles use wgmma.cuh's 128-byte swizzled layout, two 64-column
-// slabs per 128-wide head; K and V are double-buffered (32 KB each), Q 32 KB: 160 KB, one block
+// slabs per 128-wide head; K and V in three stages (32 KB each), Q 32 KB: 224 KB, one block
 // per SM.
 constexpr int kWgKeys = 128, kWgThreads = 256;
 constexpr uint32_t kWgSlab = 128 * 128;        // bytes of one 64-column slab of a 128-row tile
@@ -330,7 +330,7 @@ __device__ __forceinline__ void a_fragments(uint32_t (&a)[kSteps][4], const floa
 // FlashAttention-3: a warpgroup issues O += P V for the previous tile and S = Q Kᵀ for this one
 // back to back, hands the turn over, and computes this tile's softmax while the other's products
 // run. Reads past dh or T land as zeros (head_rows_map), as the mma.sync kernels' copies write them.
-constexpr int kFwdStages = 2, kFwdThreads = kWgThreads + 128;
+constexpr int kFwdStages = 3, kFwdThreads = kWgThreads + 128;
 constexpr size_t kFwdSmem = (1 + 2 * kFwdStages) * kWgTile + 1024;  // Q, K and V stages, room to align
 constexpr int kTurnBarrier0 = 1;  // named barriers 1 and 2: warpgroup 0's and 1's turn (0 is __syncthreads)
 
