@@ -742,17 +742,21 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
 constexpr int kWgQueries = 64;
 constexpr uint32_t kWgQuerySlab = kWgQueries * 128;  // bytes of one 64-column slab of a 64-row tile
 constexpr uint32_t kWgQueryTile = 2 * kWgQuerySlab;
-constexpr size_t kWgBackwardSmem =
-    2 * kWgTile + 6 * kWgQueryTile + 4 * kWgQueries * sizeof(float) + 1024;  // K, V, Q x 2, dO x 2, dSᵀ x 2
+constexpr int kDqStride = 128 + 8;  // floats a row of the staged dQ tile: 16-byte aligned rows, float2 stores of 16 lanes on 32 banks
+constexpr size_t kWgBackwardSmem = 2 * kWgTile + 6 * kWgQueryTile + 4 * kWgQueries * sizeof(float) +
+                                   kWgQueries * kDqStride * sizeof(float) + 1024;  // K, V, Q x 2, dO x 2, dSᵀ x 2, lse, D, dQ
 constexpr int kBwdThreads = kWgThreads + 128;  // two multiplying warpgroups and a copying one
 constexpr int kDsBarrier = 1;                  // named barrier: both warpgroups' dSᵀ rows of a tile written
 
 // A copying warpgroup (`setmaxnreg` 24; the multiplying ones 240, as FlashAttention-3's backward
-// has them) keeps two query tiles ahead: one thread issues Q's and dO's tensor copies, and all
-// 128 put lse and D into the stage, which is full on its mbarrier when both have landed and empty
-// once the 256 multiplying threads have arrived after the tile's last product. dSᵀ is
+// has them) keeps two query tiles ahead: one thread issues Q's and dO's tensor copies, and two
+// warps put lse and D into the stage, which is full on its mbarrier when both have landed and
+// empty once the 256 multiplying threads have arrived after the tile's last product. dSᵀ is
 // double-buffered, so the one barrier a tile left is between the two multiplying warpgroups
-// (both halves of dSᵀ written before dQ = dS K reads them); the loads no longer hold them.
+// (both halves of dSᵀ written before dQ = dS K reads them); the loads no longer hold them. dQ goes
+// as FlashAttention-3 adds it: the multiplying warpgroups stage each tile's dQ in shared memory,
+// and a third copying warp adds its rows into the fp32 accumulator by the L2's bulk reduction,
+// so no multiplying thread issues an atomic.
 __global__ void __launch_bounds__(kBwdThreads, 1)
     flash_backward_wgmma(bf16* dk, bf16* dv, float* dq_acc, const float* lse, const float* D, int T, int H, int dh,
                          int64_t grad_ld, float grad_scale, const __grid_constant__ CUtensorMap q_map,
@@ -766,7 +770,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   unsigned char* const dSs = dOs + 2 * kWgQueryTile;   // [2] x [128 keys][64 queries], one slab each
   float* const Ls = reinterpret_cast<float*>(dSs + 2 * kWgQueryTile);  // [2][64]
   float* const Ds = Ls + 2 * kWgQueries;                              // [2][64]
-  __shared__ alignas(8) uint64_t kv_full, full[2], empty[2];
+  float* const dQs = Ds + 2 * kWgQueries;                             // [64 queries][kDqStride]
+  __shared__ alignas(8) uint64_t kv_full, full[2], empty[2], dq_full, dq_empty;
 
   const int tiles = (T + kWgQueries - 1) / kWgQueries;
   const FlashHead f = flash_head(T, H, dh);
@@ -775,14 +780,35 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   const int k0 = f.rank * kFlashBlockRows, first_qt = k0 / kWgQueries;  // rank 0 meets the most queries
   if (threadIdx.x == 0) {
     tma::mbar_init(&kv_full, 1);
-    for (int st = 0; st < 2; ++st) tma::mbar_init(&full[st], 1 + 128), tma::mbar_init(&empty[st], kWgThreads);
+    for (int st = 0; st < 2; ++st) tma::mbar_init(&full[st], 1 + 64), tma::mbar_init(&empty[st], kWgThreads);
+    tma::mbar_init(&dq_full, kWgThreads), tma::mbar_init(&dq_empty, 1);
     tma::fence_barrier_init();
   }
   __syncthreads();
 
   if (threadIdx.x >= kWgThreads) {  // the copying warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    const int r = threadIdx.x - kWgThreads;  // 0..63: lse rows, 64..127: D rows
+    const int r = threadIdx.x - kWgThreads;  // warps 0-1: the loads (lse and D of row r), warp 2: dQ
+    if (r >= 64) {
+      if (r >= 96) return;
+      // dQ: each staged tile's rows added into the fp32 accumulator by the L2's bulk reduction.
+      // Tensor copies took these rows, so dh % 8 == 0 and the rows start 16-byte aligned.
+      const int lane = r - 64;
+      for (int qt = first_qt, i = 0; qt < tiles; ++qt, ++i) {
+        tma::mbar_wait(&dq_full, i % 2);
+        for (int q = lane; q < kWgQueries && qt * kWgQueries + q < T; q += 32)
+          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                           dq_acc + base + int64_t(qt * kWgQueries + q) * ld),
+                       "r"(smem_u32(dQs + q * kDqStride)), "r"(dh * 4)
+                       : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        __syncwarp();
+        if (lane == 0) tma::mbar_arrive(&dq_empty);
+      }
+      asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+      return;
+    }
     if (r == 0) {
       tma::mbar_expect_tx(&kv_full, int(2 * kWgTile));
       for (int half = 0; half < 2; ++half) {
@@ -801,16 +827,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
           tma::load_4d(dOs + at, &dout_map, 64 * half, f.h, qt * kWgQueries, f.b, &full[st]);
         }
       }
-      const int t = qt * kWgQueries + r % kWgQueries;  // rows past T: finite, contribute 0
-      if (r < kWgQueries) Ls[st * kWgQueries + r] = t < T ? lse[int64_t(bh) * T + t] : 0.f;
-      else Ds[st * kWgQueries + r - kWgQueries] = t < T ? D[int64_t(bh) * T + t] : 0.f;
+      const int t = qt * kWgQueries + r;  // rows past T: finite, contribute 0
+      Ls[st * kWgQueries + r] = t < T ? lse[int64_t(bh) * T + t] : 0.f;
+      Ds[st * kWgQueries + r] = t < T ? D[int64_t(bh) * T + t] : 0.f;
       tma::mbar_arrive(&full[st]);
     }
     return;
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-  const bool dq_vec4 = dh % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(dq_acc + base) % 16 == 0;
   const int wg = threadIdx.x / 128, wg_key0 = k0 + 64 * wg;  // this warpgroup's first key
   const int warp_key0 = wg_key0 + (threadIdx.x % 128 / 32) * 16;
   const int key_a = wg_key0 + wgmma::acc_row(0);  // this thread's keys: key_a, key_a + 8
@@ -874,7 +899,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     wgmma::commit();
     wgmma::wait<0>();  // dV and dK's products too
     tma::mbar_arrive(&empty[st]);
-    add_dq<8>(dq_acc + base, dq, query0 + wgmma::acc_row(0), 64 * wg, T, dh, ld, dq_vec4);
+    // This warpgroup's half of dQ staged for the copying warpgroup, once it has read the last tile.
+    if (i > 0) tma::mbar_wait(&dq_empty, (i - 1) % 2);
+#pragma unroll
+    for (int j = 0; j < 32; j += 2)
+      *reinterpret_cast<float2*>(dQs + wgmma::acc_row(j) * kDqStride + 64 * wg + wgmma::acc_col(j)) =
+          make_float2(dq[j], dq[j + 1]);
+    wgmma::fence_shared_for_async();
+    tma::mbar_arrive(&dq_full);
   }
   store_dk_dv<16>(dk + int64_t(f.b) * T * grad_ld + int64_t(f.h) * dh, dv + base, dk_acc, dv_acc, key_a, T, dh, grad_ld,
                   ld, grad_scale);
