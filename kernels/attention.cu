@@ -734,11 +734,12 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward(bf16* dk, bf16* 
 // dK += dSᵀ Q with Pᵀ and dSᵀ, rounded to bf16, as the register A operand (as the forward's P)
 // and dO, Q as MN-major B. dSᵀ also goes to shared memory, where dQ = dS K (64 queries x 64 head
 // dims per warpgroup, over the block's 128 keys; dS the MN-major A, K the MN-major B) is added
-// into an fp32 accumulator atomically. Against the mma.sync kernel, each query tile is read from
-// shared memory once per 64 keys instead of once per 16. Shared memory: K, V (32 KB each), Q, dO
-// and dSᵀ double-buffered (16 KB each), lse and D: 161 KB, one block per SM. K, V and each query
-// tile's Q and dO come by tensor copies, so the copies take no multiplying thread's issue slots
-// and no load/store queue entries beside dQ's atomics.
+// into an fp32 accumulator (every key block adds to the same query rows). Against the mma.sync
+// kernel, each query tile is read from shared memory once per 64 keys instead of once per 16.
+// Shared memory: K, V (32 KB each), Q, dO and dSᵀ double-buffered (16 KB each), lse and D, the
+// staged dQ tile (34 KB): 195 KB, one block per SM. K, V and each query tile's Q and dO come by
+// tensor copies, and dQ goes out by bulk reductions, so no multiplying thread spends issue slots
+// or load/store queue entries on either.
 constexpr int kWgQueries = 64;
 constexpr uint32_t kWgQuerySlab = kWgQueries * 128;  // bytes of one 64-column slab of a 64-row tile
 constexpr uint32_t kWgQueryTile = 2 * kWgQuerySlab;
@@ -797,16 +798,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
       for (int qt = first_qt, i = 0; qt < tiles; ++qt, ++i) {
         tma::mbar_wait(&dq_full, i % 2);
         for (int q = lane; q < kWgQueries && qt * kWgQueries + q < T; q += 32)
-          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
-                           dq_acc + base + int64_t(qt * kWgQueries + q) * ld),
-                       "r"(smem_u32(dQs + q * kDqStride)), "r"(dh * 4)
-                       : "memory");
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+          tma::bulk_add_f32(dq_acc + base + int64_t(qt * kWgQueries + q) * ld, dQs + q * kDqStride, dh * 4);
+        tma::bulk_commit();
+        tma::bulk_wait_read();
         __syncwarp();
         if (lane == 0) tma::mbar_arrive(&dq_empty);
       }
-      asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+      tma::bulk_wait();
       return;
     }
     if (r == 0) {

@@ -190,16 +190,12 @@ __device__ __forceinline__ void write_rows_async(const float* Cs, int rows, int 
   __syncthreads();
   for (int r = threadIdx.x; r < rows; r += blockDim.x) {
     if (add)
-      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst(r)),
-                   "r"(wgmma::smem_address(Cs + r * kCStride)), "r"(n * 4)
-                   : "memory");
+      tma::bulk_add_f32(dst(r), Cs + r * kCStride, n * 4);
     else
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst(r)),
-                   "r"(wgmma::smem_address(Cs + r * kCStride)), "r"(n * 4)
-                   : "memory");
+      tma::bulk_store(dst(r), Cs + r * kCStride, n * 4);
   }
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  tma::bulk_commit();
+  tma::bulk_wait_read();
 }
 __host__ __device__ inline bool rows_addable(const float* base, int64_t width, int64_t n) {
   return width % 4 == 0 && n % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;

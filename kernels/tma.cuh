@@ -1,6 +1,7 @@
 // Hopper's tensor memory access (TMA) and the shared-memory barriers its copies complete on: the
-// device side (mbarriers, box copies) and the host side (tensor maps of bf16 tensors, 128-byte
-// swizzled boxes of 64 columns: the layout wgmma.cuh's descriptors read).
+// device side (mbarriers, box copies in, bulk copies and reductions out) and the host side
+// (tensor maps of bf16 tensors, 128-byte swizzled boxes of 64 columns: the layout wgmma.cuh's
+// descriptors read).
 #pragma once
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -56,6 +57,26 @@ __device__ __forceinline__ void load_4d(void* dst, const CUtensorMap* map, int c
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(wgmma::smem_address(bar))
       : "memory");
 }
+
+// ---- Device: bulk copies of shared memory out to global memory, in this thread's bulk group ----
+// dst[0, bytes) += src[0, bytes) as fp32, added by the L2 (bytes and both addresses in whole 16 bytes).
+__device__ __forceinline__ void bulk_add_f32(float* dst, const float* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(wgmma::smem_address(src)), "r"(bytes)
+               : "memory");
+}
+// dst[0, bytes) = src[0, bytes), fp32 rows copied as they are (bytes and both addresses in whole
+// 16 bytes).
+__device__ __forceinline__ void bulk_store(float* dst, const float* src, int bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(wgmma::smem_address(src)),
+               "r"(bytes)
+               : "memory");
+}
+// Closes this thread's bulk group; then waits until its copies have read shared memory (which may
+// then be overwritten), or until they have completed.
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // ---- Host: tensor maps ----
 // cuTensorMapEncodeTiled, from the driver (the runtime does not link it).
