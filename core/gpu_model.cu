@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -108,6 +109,11 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   mean_f_ = DeviceBuffer<float>(size_t(N));
   rstd_f_ = DeviceBuffer<float>(size_t(N));
   row_loss_ = DeviceBuffer<float>(size_t(N));
+  inputs_host_ = cuda::PinnedBuffer<int32_t>(size_t(N));
+  targets_host_ = cuda::PinnedBuffer<int32_t>(size_t(N));
+  row_loss_host_ = cuda::PinnedBuffer<float>(size_t(N));
+  reg_loss_host_ = cuda::PinnedBuffer<double>(2);
+  if (const char* off = std::getenv("MOEUT_NO_GRAPHS"); off && std::string(off) == "1") graphs_on_ = false;
   v_ = DeviceBuffer<bf16>(size_t(N * hd));
   reg_loss_ = DeviceBuffer<double>(2);
   for (auto* b : {&dres_, &dxn_, &dxf_}) *b = DeviceBuffer<float>(size_t(N * d));
@@ -189,6 +195,8 @@ std::array<double, size_t(GpuModel::Part::kCount)> GpuModel::take_profile() {
 }
 
 GpuModel::~GpuModel() {
+  for (PassGraph& g : graphs_)
+    if (g.exec) cudaGraphExecDestroy(g.exec);
   for (auto& m : marks_) cudaEventDestroy(m.first);
   for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
   if (cublas_) cublasDestroy(cublas_);
@@ -360,20 +368,72 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
   // The regularisers average over the planned batch: losses and training need all of it.
   if (B > batch_ || (pass != Pass::kEvaluate && B != batch_))
     throw std::invalid_argument("GpuModel: batch of " + std::to_string(B) + " sequences, planned for " + std::to_string(batch_));
+  const int64_t T = cfg_.context, N = B * T;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      inputs_host_.get()[b * T + t] = tokens[b * (T + 1) + t];
+      targets_host_.get()[b * T + t] = tokens[b * (T + 1) + t + 1];
+    }
+  if (graphs_on_ && !dispatcher_ && !profiling_ && pass != Pass::kEvaluate) {
+    enqueue_graphed(B, weight, pass);
+  } else {
+    enqueue(B, weight, pass);
+  }
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  LossParts out;
+  out.ce = std::accumulate(row_loss_host_.get(), row_loss_host_.get() + N, 0.0) / double(N);
+  out.reg_ffn = reg_loss_host_.get()[0] / weight;
+  out.reg_att = reg_loss_host_.get()[1] / weight;
+  return out;
+}
+
+void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
+  auto graph = std::find_if(graphs_.begin(), graphs_.end(), [&](const PassGraph& g) {
+    return g.pass == pass && g.B == B && g.weight == weight && g.written_before == expert_grads_written_;
+  });
+  if (graph == graphs_.end()) {
+    // First sight: eagerly, which also settles cuBLAS's choices and any set-up done on first
+    // use before a capture. Kinds of pass are few (a step's first micro-batch, the others, the
+    // loss alone); a caller varying the weight would add one a value, so the oldest goes first.
+    if (graphs_.size() == 8) {
+      if (graphs_.front().exec) MOEUT_CUDA_CHECK(cudaGraphExecDestroy(graphs_.front().exec));
+      graphs_.erase(graphs_.begin());
+    }
+    graphs_.push_back({pass, B, weight, expert_grads_written_, {}, nullptr});
+    enqueue(B, weight, pass);
+    return;
+  }
+  if (!graph->exec) {
+    cudaGraph_t captured = nullptr;
+    MOEUT_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      enqueue(B, weight, pass);
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &captured);
+      if (captured) cudaGraphDestroy(captured);
+      throw;
+    }
+    MOEUT_CUDA_CHECK(cudaStreamEndCapture(stream_, &captured));
+    const cudaError_t made = cudaGraphInstantiate(&graph->exec, captured, 0);
+    cudaGraphDestroy(captured);
+    MOEUT_CUDA_CHECK(made);
+    graph->written_after = expert_grads_written_;
+  }
+  MOEUT_CUDA_CHECK(cudaGraphLaunch(graph->exec, stream_));
+  expert_grads_written_ = graph->written_after;
+}
+
+void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
   const bool backward = pass == Pass::kTrain;
   B_ = B;
   mark(Part::kAttention);
   attention_->set_batch(B);
   const int64_t T = cfg_.context, N = B * T, d = cfg_.d_model;
-  std::vector<int32_t> in(static_cast<size_t>(N)), tg(static_cast<size_t>(N));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      in[b * T + t] = tokens[b * (T + 1) + t];
-      tg[b * T + t] = tokens[b * (T + 1) + t + 1];
-    }
   mark(Part::kOther);
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(inputs_.get(), in.data(), size_t(N) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(targets_.get(), tg.data(), size_t(N) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(inputs_.get(), inputs_host_.get(), size_t(N) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                   stream_));
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(targets_.get(), targets_host_.get(), size_t(N) * sizeof(int32_t),
+                                   cudaMemcpyHostToDevice, stream_));
   copy_weights(backward);
   cuda::embedding_forward(xs_[0].get(), inputs_.get(), wparam("embedding.weight"), N, d, stream_);
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
@@ -425,16 +485,10 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
     fold_router_grads();
   }
   mark(Part::kCount);
-  std::vector<float> rows(static_cast<size_t>(N));
-  std::vector<double> regs(2);
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(rows.data(), row_loss_.get(), size_t(N) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(regs.data(), reg_loss_.get(), 2 * sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  LossParts out;
-  out.ce = std::accumulate(rows.begin(), rows.end(), 0.0) / double(N);
-  out.reg_ffn = regs[0] / weight;
-  out.reg_att = regs[1] / weight;
-  return out;
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(row_loss_host_.get(), row_loss_.get(), size_t(N) * sizeof(float),
+                                   cudaMemcpyDeviceToHost, stream_));
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(reg_loss_host_.get(), reg_loss_.get(), 2 * sizeof(double), cudaMemcpyDeviceToHost,
+                                   stream_));
 }
 
 void GpuModel::dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, float* dW, int64_t rows, int64_t out) {

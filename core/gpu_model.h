@@ -5,6 +5,7 @@
 #pragma once
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <array>
 #include <initializer_list>
 #include <memory>
@@ -54,6 +55,16 @@ class GpuModel {
     return grads_.get();
   }
   cudaStream_t stream() const { return stream_; }
+  // Training and loss passes over the planned batch replay as CUDA graphs: a pass runs eagerly
+  // the first time its kind, weight and gradient state are seen, is captured the second time,
+  // and is replayed from then on, so its thousands of launches cost one. Not with expert
+  // parallelism (its exchanges size buffers on the host), nor while profiling (the split's
+  // events), nor after set_graphs(false) or with MOEUT_NO_GRAPHS=1 in the environment.
+  void set_graphs(bool on) { graphs_on_ = on; }
+  // How many kinds of pass are captured (replayed on their next sight).
+  int64_t captured_passes() const {
+    return std::count_if(graphs_.begin(), graphs_.end(), [](const PassGraph& g) { return g.exec != nullptr; });
+  }
   int64_t dispatch_bytes() const { return dispatcher_ ? dispatcher_->bytes_sent() : 0; }  // sent to other ranks
 
   // Where a pass spends device time, by part (moeut-bench): events at each change of part, read
@@ -81,6 +92,10 @@ class GpuModel {
   float* gparam(const std::string& name) const;
   enum class Pass { kEvaluate, kLoss, kTrain };
   LossParts run(const int32_t* tokens, int64_t B, double weight, Pass pass);
+  // A pass's device work, from the staged tokens to its losses copied back into pinned memory.
+  void enqueue(int64_t B, double weight, Pass pass);
+  // enqueue() through the graph cache (see set_graphs).
+  void enqueue_graphed(int64_t B, double weight, Pass pass);
   void attention_forward(int64_t l);
   void ffn_forward(int64_t l);
   void ffn_backward(int64_t l);
@@ -204,6 +219,23 @@ class GpuModel {
   // k and RoPE), the expert weight gradients in the backward (beside the input gradients).
   std::unique_ptr<SideStream> side_;
   bool profiling_ = false;
+  // Captured passes (see set_graphs), keyed by what the captured work depends on: the pass, its
+  // batch, its weight, and which physical layers' expert gradients are written (which decides
+  // whether their first weight gradient writes or adds). A replay leaves that state as the
+  // captured pass did.
+  struct PassGraph {
+    Pass pass;
+    int64_t B;
+    double weight;
+    std::vector<char> written_before, written_after;
+    cudaGraphExec_t exec = nullptr;  // none until the pass is seen a second time
+  };
+  std::vector<PassGraph> graphs_;
+  bool graphs_on_ = true;
+  // Tokens in and losses out, staged in pinned memory so their copies are part of the graph.
+  cuda::PinnedBuffer<int32_t> inputs_host_, targets_host_;
+  cuda::PinnedBuffer<float> row_loss_host_;
+  cuda::PinnedBuffer<double> reg_loss_host_;
   std::vector<std::pair<cudaEvent_t, Part>> marks_;
   std::vector<cudaEvent_t> spare_events_;
 };

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,29 @@ class DeviceBuffer {
 
  private:
   T* ptr_ = nullptr;
+  size_t n_ = 0;
+};
+
+// Page-locked host memory of n elements of T: copies between it and the device run
+// asynchronously, so they can be queued on a stream and captured in a CUDA graph.
+template <typename T>
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t n) : n_(n) {
+    void* p = nullptr;
+    if (n) MOEUT_CUDA_CHECK(cudaMallocHost(&p, n * sizeof(T)));
+    ptr_.reset(static_cast<T*>(p));
+  }
+
+  T* get() const { return ptr_.get(); }
+  size_t size() const { return n_; }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { cudaFreeHost(p); }
+  };
+  std::unique_ptr<T, Free> ptr_;
   size_t n_ = 0;
 };
 

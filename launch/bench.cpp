@@ -5,6 +5,7 @@
 #include <cuda_profiler_api.h>
 #include <array>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <iostream>
 
@@ -41,8 +42,10 @@ int main(int argc, char** argv) {
     const double peak = bench::cublas_peak_tflops();
     cudaDeviceProp prop;
     MOEUT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    std::printf("%s | %s | batch %lld x %lld | bf16 peak measured %.1f TFLOP/s\n", prop.name, config_path.c_str(),
-                (long long)batch, (long long)m.context, peak);
+    const char* no_graphs = std::getenv("MOEUT_NO_GRAPHS");
+    std::printf("%s | %s | batch %lld x %lld | bf16 peak measured %.1f TFLOP/s | CUDA graphs %s\n", prop.name,
+                config_path.c_str(), (long long)batch, (long long)m.context, peak,
+                no_graphs && std::string(no_graphs) == "1" ? "off (MOEUT_NO_GRAPHS=1)" : "on");
 
     std::vector<float> params;
     {
@@ -60,34 +63,49 @@ int main(int argc, char** argv) {
 
     using clock = std::chrono::steady_clock;
     auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
-    double fwd = 0, total = 0, opt = 0;
-    std::array<double, size_t(GpuModel::Part::kCount)> parts{};  // forward + backward, device time
-    model.set_profiling(true);
+    // One training step: a forward-only pass (timed apart, for the forward / backward split), then
+    // forward + backward and the optimizer. With ncu_range, the training work is the range that
+    // ncu --profile-from-start off profiles.
+    struct StepTimes {
+      double forward, train, optimizer;
+      std::array<double, size_t(GpuModel::Part::kCount)> parts;
+    };
     LossParts loss;
-    for (int64_t s = 0; s < warmup + steps; ++s) {
+    auto train_step = [&](bool ncu_range) {
+      StepTimes s;
       const auto t0 = clock::now();
       model.forward(tokens.data());
-      MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
       model.take_profile();  // the forward-only pass is not part of the split
       const auto t1 = clock::now();
       model.zero_gradients();
-      // The last step's training work is the profiled range (ncu --profile-from-start off).
-      const bool profiled = s + 1 == warmup + steps;
-      if (profiled) MOEUT_CUDA_CHECK(cudaProfilerStart());
+      if (ncu_range) MOEUT_CUDA_CHECK(cudaProfilerStart());
       loss = model.forward_backward(tokens.data(), 1.0);
-      MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
       const auto t2 = clock::now();
-      const auto split = model.take_profile();
+      s.parts = model.take_profile();
       optimizer.step(model.working(), model.grads(), cfg.train.lr, cfg.train);
       MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
       const auto t3 = clock::now();
-      if (profiled) MOEUT_CUDA_CHECK(cudaProfilerStop());
+      if (ncu_range) MOEUT_CUDA_CHECK(cudaProfilerStop());
+      s.forward = seconds(t0, t1), s.train = seconds(t1, t2), s.optimizer = seconds(t2, t3);
+      return s;
+    };
+    // The timed steps run as training runs them (as CUDA graphs unless MOEUT_NO_GRAPHS=1). The
+    // split comes from as many steps again with an event at each change of part, which run
+    // eagerly (events and graphs do not mix here) and are not in the step time.
+    double fwd = 0, total = 0, opt = 0, split_step = 0, split_opt = 0;
+    std::array<double, size_t(GpuModel::Part::kCount)> parts{};
+    for (int64_t s = 0; s < warmup + steps; ++s) {
+      const StepTimes t = train_step(false);
       if (s < warmup) continue;
-      fwd += seconds(t0, t1);
-      for (size_t i = 0; i < parts.size(); ++i) parts[i] += split[i];
-      total += seconds(t1, t2);
-      opt += seconds(t2, t3);
+      fwd += t.forward, total += t.train, opt += t.optimizer;
     }
+    model.set_profiling(true);
+    for (int64_t s = 0; s < steps; ++s) {
+      const StepTimes t = train_step(s + 1 == steps);
+      split_step += t.train + t.optimizer, split_opt += t.optimizer;
+      for (size_t i = 0; i < parts.size(); ++i) parts[i] += t.parts[i];
+    }
+    split_step /= double(steps), split_opt /= double(steps);
     fwd /= double(steps), total /= double(steps), opt /= double(steps);
     const double step = total + opt, tokens_per_step = double(batch * m.context);
     const double tflops = m.training_flops_per_token() * tokens_per_step / step / 1e12;
@@ -97,14 +115,14 @@ int main(int argc, char** argv) {
                 loss.ce, step * 1e3, fwd * 1e3, (total - fwd) * 1e3, opt * 1e3);
     std::printf("%.0f tokens/s | %.1f TFLOP/s | MFU %.1f%% | GPU memory in use %.1f GiB\n", tokens_per_step / step,
                 tflops, 100.0 * tflops / peak, double(total_bytes - free_bytes) / double(1ull << 30));
-    // The split of the step: forward + backward by part (device time between part changes, so
-    // with profiling events in the stream), then the optimizer.
-    std::printf("step split (ms, %% of step):");
+    // The split of the step: forward + backward by part (device time between part changes), then
+    // the optimizer, as shares of the eager steps that measured it.
+    std::printf("step split (ms, %% of an eager step with events, %.1f ms):", split_step * 1e3);
     for (size_t i = 0; i < parts.size(); ++i) {
       const double ms = parts[i] / double(steps) * 1e3;
-      std::printf(" %s %.1f (%.0f%%) |", GpuModel::part_name(GpuModel::Part(i)), ms, ms / (step * 1e3) * 100);
+      std::printf(" %s %.1f (%.0f%%) |", GpuModel::part_name(GpuModel::Part(i)), ms, ms / (split_step * 1e3) * 100);
     }
-    std::printf(" optimizer %.1f (%.0f%%)\n", opt * 1e3, opt / step * 100);
+    std::printf(" optimizer %.1f (%.0f%%)\n", split_opt * 1e3, split_opt / split_step * 100);
     return 0;
   } catch (const cuda::OutOfMemory& e) {
     std::fprintf(stderr, "moeut-bench: error: %s: the step at --batch %lld does not fit; try a smaller --batch\n",
