@@ -26,6 +26,13 @@ int64_t router_ld(int64_t out) { return (out + 7) / 8 * 8; }
 
 using bf16 = __nv_bfloat16;
 using cuda::DeviceBuffer;
+
+// The GPU's clock (ns) into *at, for the profile's marks.
+__global__ void read_clock(uint64_t* at) {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  *at = ns;
+}
 using cuda::check_cublas;
 
 }  // namespace
@@ -113,6 +120,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   targets_host_ = cuda::PinnedBuffer<int32_t>(size_t(N));
   row_loss_host_ = cuda::PinnedBuffer<float>(size_t(N));
   reg_loss_host_ = cuda::PinnedBuffer<double>(2);
+  mark_clocks_ = DeviceBuffer<uint64_t>(size_t(64 * cfg_.n_layers + 64));  // a layer's passes make about 30 marks
   if (const char* off = std::getenv("MOEUT_NO_GRAPHS"); off && std::string(off) == "1") graphs_on_ = false;
   v_ = DeviceBuffer<bf16>(size_t(N * hd));
   reg_loss_ = DeviceBuffer<double>(2);
@@ -168,37 +176,29 @@ const char* GpuModel::part_name(Part p) {
 
 void GpuModel::mark(Part p) {
   if (!profiling_) return;
-  if (!marks_.empty() && marks_.back().second == p) return;
-  cudaEvent_t e;
-  if (spare_events_.empty()) {
-    MOEUT_CUDA_CHECK(cudaEventCreate(&e));
-  } else {
-    e = spare_events_.back();
-    spare_events_.pop_back();
-  }
-  MOEUT_CUDA_CHECK(cudaEventRecord(e, stream_));
-  marks_.emplace_back(e, p);
+  if (!mark_parts_.empty() && mark_parts_.back() == p) return;
+  if (mark_parts_.size() == mark_clocks_.size())
+    throw std::logic_error("GpuModel: more changes of part in one pass than the profile has slots");
+  read_clock<<<1, 1, 0, stream_>>>(mark_clocks_.get() + mark_parts_.size());
+  MOEUT_CUDA_CHECK(cudaGetLastError());
+  mark_parts_.push_back(p);
 }
 
 std::array<double, size_t(GpuModel::Part::kCount)> GpuModel::take_profile() {
   std::array<double, size_t(Part::kCount)> seconds{};
+  std::vector<uint64_t> ns(mark_parts_.size());
   MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for (size_t i = 0; i + 1 < marks_.size(); ++i) {
-    if (marks_[i].second == Part::kCount) continue;
-    float ms = 0;
-    MOEUT_CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[i].first, marks_[i + 1].first));
-    seconds[size_t(marks_[i].second)] += ms / 1e3;
-  }
-  for (auto& m : marks_) spare_events_.push_back(m.first);
-  marks_.clear();
+  if (!ns.empty())
+    MOEUT_CUDA_CHECK(cudaMemcpy(ns.data(), mark_clocks_.get(), ns.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i + 1 < ns.size(); ++i)
+    if (mark_parts_[i] != Part::kCount) seconds[size_t(mark_parts_[i])] += double(ns[i + 1] - ns[i]) * 1e-9;
+  mark_parts_.clear();
   return seconds;
 }
 
 GpuModel::~GpuModel() {
   for (PassGraph& g : graphs_)
     if (g.exec) cudaGraphExecDestroy(g.exec);
-  for (auto& m : marks_) cudaEventDestroy(m.first);
-  for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
   if (cublas_) cublasDestroy(cublas_);
   if (own_stream_) cudaStreamDestroy(stream_);
 }
@@ -374,7 +374,8 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       inputs_host_.get()[b * T + t] = tokens[b * (T + 1) + t];
       targets_host_.get()[b * T + t] = tokens[b * (T + 1) + t + 1];
     }
-  if (graphs_on_ && !dispatcher_ && !profiling_ && pass != Pass::kEvaluate) {
+  mark_parts_.clear();  // the profile is the last pass's
+  if (graphs_on_ && !dispatcher_ && pass != Pass::kEvaluate) {
     enqueue_graphed(B, weight, pass);
   } else {
     enqueue(B, weight, pass);
@@ -389,7 +390,8 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
 
 void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
   auto graph = std::find_if(graphs_.begin(), graphs_.end(), [&](const PassGraph& g) {
-    return g.pass == pass && g.B == B && g.weight == weight && g.written_before == expert_grads_written_;
+    return g.pass == pass && g.B == B && g.weight == weight && g.profiled == profiling_ &&
+           g.written_before == expert_grads_written_;
   });
   if (graph == graphs_.end()) {
     // First sight: eagerly, which also settles cuBLAS's choices and any set-up done on first
@@ -399,7 +401,7 @@ void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
       if (graphs_.front().exec) MOEUT_CUDA_CHECK(cudaGraphExecDestroy(graphs_.front().exec));
       graphs_.erase(graphs_.begin());
     }
-    graphs_.push_back({pass, B, weight, expert_grads_written_, {}, nullptr});
+    graphs_.push_back({pass, B, weight, profiling_, expert_grads_written_, {}, {}, nullptr});
     enqueue(B, weight, pass);
     return;
   }
@@ -418,9 +420,11 @@ void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
     cudaGraphDestroy(captured);
     MOEUT_CUDA_CHECK(made);
     graph->written_after = expert_grads_written_;
+    graph->mark_parts = mark_parts_;
   }
   MOEUT_CUDA_CHECK(cudaGraphLaunch(graph->exec, stream_));
   expert_grads_written_ = graph->written_after;
+  mark_parts_ = graph->mark_parts;
 }
 
 void GpuModel::enqueue(int64_t B, double weight, Pass pass) {

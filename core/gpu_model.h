@@ -58,8 +58,8 @@ class GpuModel {
   // Training and loss passes over the planned batch replay as CUDA graphs: a pass runs eagerly
   // the first time its kind, weight and gradient state are seen, is captured the second time,
   // and is replayed from then on, so its thousands of launches cost one. Not with expert
-  // parallelism (its exchanges size buffers on the host), nor while profiling (the split's
-  // events), nor after set_graphs(false) or with MOEUT_NO_GRAPHS=1 in the environment.
+  // parallelism (its exchanges size buffers on the host), nor after set_graphs(false) or with
+  // MOEUT_NO_GRAPHS=1 in the environment.
   void set_graphs(bool on) { graphs_on_ = on; }
   // How many kinds of pass are captured (replayed on their next sight).
   int64_t captured_passes() const {
@@ -67,12 +67,13 @@ class GpuModel {
   }
   int64_t dispatch_bytes() const { return dispatcher_ ? dispatcher_->bytes_sent() : 0; }  // sent to other ranks
 
-  // Where a pass spends device time, by part (moeut-bench): events at each change of part, read
-  // back only when asked for. Off by default.
+  // Where a pass spends device time, by part (moeut-bench): the main stream's clock read by a
+  // one-thread kernel at each change of part (a kernel, unlike an event, is replayed within a
+  // CUDA graph), read back only when asked for. Off by default.
   enum class Part { kAttention, kExperts, kRouting, kDense, kOther, kCount };
   static const char* part_name(Part p);
   void set_profiling(bool on) { profiling_ = on; }
-  // Device seconds per part since the last call (waits for the work).
+  // Device seconds per part of the last pass (waits for the work).
   std::array<double, size_t(Part::kCount)> take_profile();
 
   // tokens (host): [batch, context + 1]. Mean losses of the batch.
@@ -154,7 +155,7 @@ class GpuModel {
   // all of them, in fp32 (see router_ld), then each one's top k: on the main stream, or with
   // `beside`, forked after the product onto the side stream (the caller joins it).
   void route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers, bool beside = false);
-  void mark(Part p);  // the work queued from here on belongs to p (kCount: none)
+  void mark(Part p);  // the work queued on the main stream from here on belongs to p (kCount: none)
   // Where a physical layer's FFN router weight gradient accumulates: its rows in
   // router_grads_padded_ when that exists, else the parameter's gradient.
   float* ffn_router_grad(int64_t group) const;
@@ -220,14 +221,16 @@ class GpuModel {
   std::unique_ptr<SideStream> side_;
   bool profiling_ = false;
   // Captured passes (see set_graphs), keyed by what the captured work depends on: the pass, its
-  // batch, its weight, and which physical layers' expert gradients are written (which decides
-  // whether their first weight gradient writes or adds). A replay leaves that state as the
-  // captured pass did.
+  // batch, its weight, whether it is profiled, and which physical layers' expert gradients are
+  // written (which decides whether their first weight gradient writes or adds). A replay leaves
+  // that state, and the parts of its marks, as the captured pass did.
   struct PassGraph {
     Pass pass;
     int64_t B;
     double weight;
+    bool profiled;
     std::vector<char> written_before, written_after;
+    std::vector<Part> mark_parts;
     cudaGraphExec_t exec = nullptr;  // none until the pass is seen a second time
   };
   std::vector<PassGraph> graphs_;
@@ -236,8 +239,9 @@ class GpuModel {
   cuda::PinnedBuffer<int32_t> inputs_host_, targets_host_;
   cuda::PinnedBuffer<float> row_loss_host_;
   cuda::PinnedBuffer<double> reg_loss_host_;
-  std::vector<std::pair<cudaEvent_t, Part>> marks_;
-  std::vector<cudaEvent_t> spare_events_;
+  // The clock at each mark of the pass (ns), and the part that each mark starts.
+  cuda::DeviceBuffer<uint64_t> mark_clocks_;
+  std::vector<Part> mark_parts_;
 };
 
 

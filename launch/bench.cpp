@@ -19,7 +19,9 @@ using namespace moeut;
 
 int main(int argc, char** argv) {
   std::string config_path;
-  int64_t batch = 16, steps = 5, warmup = 2;
+  // Three untimed steps: a pass runs eagerly the first time, is captured as a CUDA graph the
+  // second, and its first replay can take tens of ms more than the next ones.
+  int64_t batch = 16, steps = 5, warmup = 3;
   po::options_description opts("moeut-bench options");
   opts.add_options()("help,h", "show this help")
       ("config", po::value(&config_path)->required(), "profile, e.g. configs/1B.cfg")
@@ -66,44 +68,47 @@ int main(int argc, char** argv) {
     // One training step: a forward-only pass (timed apart, for the forward / backward split), then
     // forward + backward and the optimizer. With ncu_range, the training work is the range that
     // ncu --profile-from-start off profiles.
+    using Split = std::array<double, size_t(GpuModel::Part::kCount)>;
     struct StepTimes {
       double forward, train, optimizer;
-      std::array<double, size_t(GpuModel::Part::kCount)> parts;
+      Split forward_parts, train_parts;
     };
     LossParts loss;
     auto train_step = [&](bool ncu_range) {
       StepTimes s;
       const auto t0 = clock::now();
       model.forward(tokens.data());
-      model.take_profile();  // the forward-only pass is not part of the split
       const auto t1 = clock::now();
+      s.forward_parts = model.take_profile();
       model.zero_gradients();
       if (ncu_range) MOEUT_CUDA_CHECK(cudaProfilerStart());
-      loss = model.forward_backward(tokens.data(), 1.0);
       const auto t2 = clock::now();
-      s.parts = model.take_profile();
+      loss = model.forward_backward(tokens.data(), 1.0);
+      const auto t3 = clock::now();
+      s.train_parts = model.take_profile();
       optimizer.step(model.working(), model.grads(), cfg.train.lr, cfg.train);
       MOEUT_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
-      const auto t3 = clock::now();
+      const auto t4 = clock::now();
       if (ncu_range) MOEUT_CUDA_CHECK(cudaProfilerStop());
-      s.forward = seconds(t0, t1), s.train = seconds(t1, t2), s.optimizer = seconds(t2, t3);
+      s.forward = seconds(t0, t1), s.train = seconds(t2, t3), s.optimizer = seconds(t3, t4);
       return s;
     };
     // The timed steps run as training runs them (as CUDA graphs unless MOEUT_NO_GRAPHS=1). The
-    // split comes from as many steps again with an event at each change of part, which run
-    // eagerly (events and graphs do not mix here) and are not in the step time.
+    // split comes from as many steps again, with the clock read at each change of part (its
+    // marks, about 30 a layer, are kernels of their own), and they are not in the step time.
     double fwd = 0, total = 0, opt = 0, split_step = 0, split_opt = 0;
-    std::array<double, size_t(GpuModel::Part::kCount)> parts{};
+    Split parts{}, forward_parts{};
     for (int64_t s = 0; s < warmup + steps; ++s) {
       const StepTimes t = train_step(false);
       if (s < warmup) continue;
       fwd += t.forward, total += t.train, opt += t.optimizer;
     }
     model.set_profiling(true);
-    for (int64_t s = 0; s < steps; ++s) {
-      const StepTimes t = train_step(s + 1 == steps);
+    for (int64_t s = 0; s < warmup + steps; ++s) {
+      const StepTimes t = train_step(s + 1 == warmup + steps);
+      if (s < warmup) continue;
       split_step += t.train + t.optimizer, split_opt += t.optimizer;
-      for (size_t i = 0; i < parts.size(); ++i) parts[i] += t.parts[i];
+      for (size_t i = 0; i < parts.size(); ++i) parts[i] += t.train_parts[i], forward_parts[i] += t.forward_parts[i];
     }
     split_step /= double(steps), split_opt /= double(steps);
     fwd /= double(steps), total /= double(steps), opt /= double(steps);
@@ -115,14 +120,17 @@ int main(int argc, char** argv) {
                 loss.ce, step * 1e3, fwd * 1e3, (total - fwd) * 1e3, opt * 1e3);
     std::printf("%.0f tokens/s | %.1f TFLOP/s | MFU %.1f%% | GPU memory in use %.1f GiB\n", tokens_per_step / step,
                 tflops, 100.0 * tflops / peak, double(total_bytes - free_bytes) / double(1ull << 30));
-    // The split of the step: forward + backward by part (device time between part changes), then
-    // the optimizer, as shares of the eager steps that measured it.
-    std::printf("step split (ms, %% of an eager step with events, %.1f ms):", split_step * 1e3);
+    // The split of the step: forward + backward by part (device time between changes of part),
+    // then the optimizer, as shares of the profiled steps; and the forward-only pass's split.
+    std::printf("step split (ms, %% of a profiled step, %.1f ms):", split_step * 1e3);
     for (size_t i = 0; i < parts.size(); ++i) {
       const double ms = parts[i] / double(steps) * 1e3;
       std::printf(" %s %.1f (%.0f%%) |", GpuModel::part_name(GpuModel::Part(i)), ms, ms / (split_step * 1e3) * 100);
     }
-    std::printf(" optimizer %.1f (%.0f%%)\n", split_opt * 1e3, split_opt / split_step * 100);
+    std::printf(" optimizer %.1f (%.0f%%)\nforward-only pass split (ms):", split_opt * 1e3, split_opt / split_step * 100);
+    for (size_t i = 0; i < forward_parts.size(); ++i)
+      std::printf(" %s %.1f%s", GpuModel::part_name(GpuModel::Part(i)), forward_parts[i] / double(steps) * 1e3,
+                  i + 1 < forward_parts.size() ? " |" : "\n");
     return 0;
   } catch (const cuda::OutOfMemory& e) {
     std::fprintf(stderr, "moeut-bench: error: %s: the step at --batch %lld does not fit; try a smaller --batch\n",
