@@ -26,6 +26,7 @@ int64_t router_ld(int64_t out) { return (out + 7) / 8 * 8; }
 
 using bf16 = __nv_bfloat16;
 using cuda::DeviceBuffer;
+using cuda::check_cublas;
 
 // The GPU's clock (ns) into *at, for the profile's marks.
 __global__ void read_clock(uint64_t* at) {
@@ -33,7 +34,6 @@ __global__ void read_clock(uint64_t* at) {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
   *at = ns;
 }
-using cuda::check_cublas;
 
 }  // namespace
 

@@ -5,7 +5,6 @@
 #include <cuda_profiler_api.h>
 #include <array>
 #include <chrono>
-#include <cstdlib>
 #include <cstdio>
 #include <iostream>
 
@@ -44,11 +43,6 @@ int main(int argc, char** argv) {
     const double peak = bench::cublas_peak_tflops();
     cudaDeviceProp prop;
     MOEUT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    const char* no_graphs = std::getenv("MOEUT_NO_GRAPHS");
-    std::printf("%s | %s | batch %lld x %lld | bf16 peak measured %.1f TFLOP/s | CUDA graphs %s\n", prop.name,
-                config_path.c_str(), (long long)batch, (long long)m.context, peak,
-                no_graphs && std::string(no_graphs) == "1" ? "off (MOEUT_NO_GRAPHS=1)" : "on");
-
     std::vector<float> params;
     {
       Model<float> init(m);  // the spec's initialisation, on the host
@@ -56,6 +50,8 @@ int main(int argc, char** argv) {
       params = std::move(init.params);
     }
     GpuModel model(m, batch);
+    std::printf("%s | %s | batch %lld x %lld | bf16 peak measured %.1f TFLOP/s | CUDA graphs %s\n", prop.name,
+                config_path.c_str(), (long long)batch, (long long)m.context, peak, model.graphs() ? "on" : "off");
     model.set_parameters(params);
     const ProcessGroups one = ProcessGroups::single();
     GpuShardedAdamW optimizer(model.layout(), one, params, model.stream());
