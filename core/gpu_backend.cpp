@@ -50,7 +50,7 @@ class GpuBackend final : public TrainingBackend {
     model_.set_parameters(init.params);
     optimizer_ = std::make_unique<GpuShardedAdamW>(model_.layout(), groups_, init.params, stream_.get());
   }
-  const char* device() const override { return "cuda"; }
+  const char* device() const override { return model_.graphs() ? "cuda (passes replayed as CUDA graphs)" : "cuda"; }
   const ParamLayout& layout() const override { return model_.layout(); }
   void zero_gradients() override { model_.zero_gradients(); }
   LossParts forward_backward(const int32_t* tokens, int64_t B, double weight) override {

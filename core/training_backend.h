@@ -16,7 +16,7 @@ namespace moeut {
 class TrainingBackend {
  public:
   virtual ~TrainingBackend() = default;
-  virtual const char* device() const = 0;
+  virtual const char* device() const = 0;  // what the rank trains on, as its start-up line says
   virtual const ParamLayout& layout() const = 0;  // this rank's part of the model
   virtual void zero_gradients() = 0;
   // Accumulates the gradient of weight · (mean CE + regularisers) of B sequences.
