@@ -375,7 +375,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       targets_host_.get()[b * T + t] = tokens[b * (T + 1) + t + 1];
     }
   mark_parts_.clear();  // the profile is the last pass's
-  if (graphs_on_ && !dispatcher_ && pass != Pass::kEvaluate) {
+  if (graphs() && pass != Pass::kEvaluate) {
     enqueue_graphed(B, weight, pass);
   } else {
     enqueue(B, weight, pass);

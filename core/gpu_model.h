@@ -61,7 +61,7 @@ class GpuModel {
   // parallelism (its exchanges size buffers on the host), nor after set_graphs(false) or with
   // MOEUT_NO_GRAPHS=1 in the environment.
   void set_graphs(bool on) { graphs_on_ = on; }
-  bool graphs() const { return graphs_on_ && !dispatcher_; }
+  bool graphs() const { return graphs_on_ && !dispatcher_; }  // whether training and loss passes replay
   // How many kinds of pass are captured (replayed on their next sight).
   int64_t captured_passes() const {
     return std::count_if(graphs_.begin(), graphs_.end(), [](const PassGraph& g) { return g.exec != nullptr; });
