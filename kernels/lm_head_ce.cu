@@ -8,11 +8,6 @@
 namespace moeut::cuda {
 namespace {
 
-__global__ void broadcast_bias(float* logits, const __nv_bfloat16* bias, int64_t m, int V) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < m * V; i += int64_t(gridDim.x) * blockDim.x)
-    logits[i] = __bfloat162float(bias[i % V]);
-}
-
 // dbias[v] += Σ_r dlogits[r, v]: a thread per column and slice of kSumRows rows, added in
 // atomically (one thread per column for all rows left too few loads in flight: 145 GB/s).
 constexpr int kSumRows = 256;
@@ -36,14 +31,14 @@ void LmHeadCE::run(float* row_loss, float* dx, float* dW, float* dbias, const __
   const float one = 1.f, zero = 0.f;
   for (int64_t r0 = 0; r0 < n; r0 += chunk_) {
     const int64_t m = std::min(chunk_, n - r0);
-    broadcast_bias<<<1024, 256, 0, stream>>>(logits_.get(), bias, m, int(V_));
-    MOEUT_CUDA_CHECK(cudaGetLastError());
-    // logits [m, V] (row-major) = x Wᵀ + bias  <=>  column-major [V, m] = W(cm [d, V])ᵀ · x(cm [d, m])
+    // logits [m, V] (row-major) = x Wᵀ  <=>  column-major [V, m] = W(cm [d, V])ᵀ · x(cm [d, m]); the
+    // cross-entropy adds the bias as it reads them.
     check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(V_), int(m), int(d_), &one, W, CUDA_R_16BF, int(d_),
-                              x + r0 * d_, CUDA_R_16BF, int(d_), &one, logits_.get(), CUDA_R_32F, int(V_),
+                              x + r0 * d_, CUDA_R_16BF, int(d_), &zero, logits_.get(), CUDA_R_32F, int(V_),
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "LM head logits");
-    cross_entropy(row_loss + r0, dx ? dlogits_.get() : nullptr, logits_.get(), targets + r0, m, V_, grad_scale, stream);
+    cross_entropy(row_loss + r0, dx ? dlogits_.get() : nullptr, logits_.get(), bias, targets + r0, m, V_, grad_scale,
+                  stream);
     if (!dx) continue;
     // dx [m, d] = dlogits W  <=>  cm [d, m] = W(cm [d, V]) · dlogits(cm [V, m])
     check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(d_), int(m), int(V_), &one, W, CUDA_R_16BF, int(d_),

@@ -243,30 +243,34 @@ TEST_F(GpuTest, EmbeddingMatchesTheCpuReference) {
 }
 
 TEST_F(GpuTest, CrossEntropyMatchesADoublePrecisionReference) {
-  for (int64_t V : {37, 8000}) {
-    const int64_t m = 300;
-    Rng rng{uint64_t(V)};
-    const auto logits = random_bf16_values(m * V, rng, 3.0);
-    std::vector<int32_t> targets(m);
-    for (auto& t : targets) t = int32_t(rng.next() % uint64_t(V));
-    const float scale = 1.f / 4096.f;
-    std::vector<float> loss(m), grad(m * V);
-    for (int64_t r = 0; r < m; ++r) {
-      const float* z = logits.data() + r * V;
-      double mx = -INFINITY, s = 0;
-      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(z[v]));
-      for (int64_t v = 0; v < V; ++v) s += std::exp(z[v] - mx);
-      const double lse = mx + std::log(s);
-      loss[r] = float(lse - z[targets[r]]);
-      for (int64_t v = 0; v < V; ++v) grad[r * V + v] = float(scale * (std::exp(z[v] - lse) - (v == targets[r])));
+  for (int64_t V : {37, 8000})
+    for (bool with_bias : {false, true}) {
+      SCOPED_TRACE("V " + std::to_string(V) + (with_bias ? ", bias" : ", no bias"));
+      const int64_t m = 300;
+      Rng rng{uint64_t(V)};
+      const auto logits = random_bf16_values(m * V, rng, 3.0), bias = random_bf16_values(V, rng, 1.0);
+      std::vector<int32_t> targets(m);
+      for (auto& t : targets) t = int32_t(rng.next() % uint64_t(V));
+      const float scale = 1.f / 4096.f;
+      std::vector<float> loss(m), grad(m * V);
+      for (int64_t r = 0; r < m; ++r) {
+        auto z = [&](int64_t v) { return double(logits[r * V + v]) + (with_bias ? double(bias[v]) : 0.0); };
+        double mx = -INFINITY, s = 0;
+        for (int64_t v = 0; v < V; ++v) mx = std::max(mx, z(v));
+        for (int64_t v = 0; v < V; ++v) s += std::exp(z(v) - mx);
+        const double lse = mx + std::log(s);
+        loss[r] = float(lse - z(targets[r]));
+        for (int64_t v = 0; v < V; ++v) grad[r * V + v] = float(scale * (std::exp(z(v) - lse) - (v == targets[r])));
+      }
+      DeviceBuffer<float> glogits(logits), gloss(std::vector<float>(m, NAN));
+      const DeviceBuffer<bf16> gbias(to_bf16(bias));
+      DeviceBuffer<int32_t> gtargets(targets);
+      DeviceBuffer<bf16> ggrad(std::vector<bf16>(m * V, __float2bfloat16(NAN)));
+      cuda::cross_entropy(gloss.get(), ggrad.get(), glogits.get(), with_bias ? gbias.get() : nullptr, gtargets.get(), m, V,
+                          scale, 0);
+      EXPECT_LE(rel_error(gloss.download(), loss), 1e-5);
+      EXPECT_LE(rel_error(to_float(ggrad.download()), grad), 1e-2);
     }
-    DeviceBuffer<float> glogits(logits), gloss(std::vector<float>(m, NAN));
-    DeviceBuffer<int32_t> gtargets(targets);
-    DeviceBuffer<bf16> ggrad(std::vector<bf16>(m * V, __float2bfloat16(NAN)));
-    cuda::cross_entropy(gloss.get(), ggrad.get(), glogits.get(), gtargets.get(), m, V, scale, 0);
-    EXPECT_LE(rel_error(gloss.download(), loss), 1e-5) << "V " << V;
-    EXPECT_LE(rel_error(to_float(ggrad.download()), grad), 1e-2) << "V " << V;
-  }
 }
 
 TEST_F(GpuTest, LmHeadCrossEntropyMatchesTheCpuReference) {
