@@ -487,6 +487,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
     mark(Part::kOther);
     cuda::embedding_backward(gparam("embedding.weight"), dres_.get(), inputs_.get(), N, d, stream_);
     fold_router_grads();
+    side_->join();  // the first layer's value-expert weight gradient
   }
   mark(Part::kCount);
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(row_loss_host_.get(), row_loss_.get(), size_t(N) * sizeof(float),
@@ -675,12 +676,6 @@ void GpuModel::attention_backward(int64_t l) {
   // Value experts read the raw residual: their input gradient adds onto dres. Their routing-weight
   // gradient dots dv with each selection's kept row.
   mark(Part::kExperts);
-  // Their weight gradient reads the raw residual in bf16, made again on the side stream from the
-  // kept fp32 one (a buffer for all layers instead of one kept per layer: 1.8 GB at 1B).
-  side_->fork();
-  cuda::to_bf16(xb_.get(), xs_[l].get(), N * d, side_->get());
-  cuda::cvmm_weight_grad(L.plan_v.view(), {xb_.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
-                                            H * Ea}, side_->get());
   cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), nullptr,
                                          nullptr, dh, d, true, true, N}, stream_);
   cuda::cvmm_selection_dots(dw_.get(), L.v_sel.get(), dv_.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
@@ -693,11 +688,19 @@ void GpuModel::attention_backward(int64_t l) {
                    attn_in_ld_, N, dxn_.get());
   side_->join();
   mark(Part::kOther);
-  // dresb for the layer below (none below the first: the embedding's gradient reads dres), and
-  // LN1's output again (bit for bit the forward's) into xn_ for the weight gradients.
+  // dresb for the layer below (none below the first: the embedding's gradient reads dres), LN1's
+  // output again (bit for bit the forward's) into xn_ for the weight gradients, and its input,
+  // the raw residual, in bf16 into xb_ for the value experts' weight gradient (one buffer for
+  // all layers instead of one kept per layer: 1.8 GB at 1B).
   cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
                            wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_,
-                           l > 0 ? dresb_.get() : nullptr, wparam(p + "ln1.bias"), xn_.get());
+                           l > 0 ? dresb_.get() : nullptr, wparam(p + "ln1.bias"), xn_.get(), xb_.get());
+  // That weight gradient runs on the side stream beside this layer's dense weight gradients and
+  // the next layer's FFN backward, whose join comes before dv_ and xb_ are written again.
+  mark(Part::kExperts);
+  side_->fork();
+  cuda::cvmm_weight_grad(L.plan_v.view(), {xb_.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
+                                            H * Ea}, side_->get());
   mark(Part::kDense);
   // Weight gradients: q and k are adjacent in the layout, as are the two routers (checked at
   // construction), so each pair is one product.

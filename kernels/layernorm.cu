@@ -136,12 +136,13 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 // second pass, behind that pass's stores, waited on each chunk's load in turn. Each
 // warp adds its rows' parameter gradients into its own slice of shared memory (lanes own their
 // columns, so no atomics), and the block adds the slices into the global gradients once. out,
-// when not null, receives the forward's output again (normalized, as the forward kernel), its
-// operands read in the second pass anyway.
+// when not null, receives the forward's output again (normalized, as the forward kernel), and
+// x_bf16 the input in bf16, their operands read in the second pass anyway.
 constexpr int kBackwardRegisterChunks = 12;
 template <int V>
 __global__ void __launch_bounds__(kBackwardWarps * 32, 2)
-    layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, float* dw, float* db,
+    layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, __nv_bfloat16* x_bf16, float* dw,
+                              float* db,
                               const float* dout, const float* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
                               const float* mean, const float* rstd, int64_t n, int d) {
   extern __shared__ float acc[];  // [kBackwardWarps][2][d]
@@ -194,6 +195,7 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, 2)
       store_cols<V>(dx + row * d + i, dxv);
       if (dx_bf16) store_cols<V>(dx_bf16 + row * d + i, dxv);
       if (out) store_cols<V>(out + row * d + i, normalized<V>(xv, mu, rs, wv, load_cols<V>(b + i)));
+      if (x_bf16) store_cols<V>(x_bf16 + row * d + i, xv);
       store_cols<V>(dw_acc + i, dwv);
       store_cols<V>(db_acc + i, dbv);
     });
@@ -226,7 +228,8 @@ void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float
 
 void layernorm_backward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
                         const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
-                        cudaStream_t stream, __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out) {
+                        cudaStream_t stream, __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out,
+                        __nv_bfloat16* x_bf16) {
   if (n == 0) return;
   if (out && !bias) throw std::invalid_argument("layernorm_backward: the forward output needs the bias");
   // At most 1056 blocks (8 per SM of an H100): each block's partial sums cost one pass of atomics
@@ -235,10 +238,10 @@ void layernorm_backward(float* dx, float* dweight, float* dbias, const float* do
   const size_t smem = size_t(kBackwardWarps) * 2 * size_t(d) * sizeof(float);
   auto launch = [&](auto kernel) {
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<blocks, kBackwardWarps * 32, smem, stream>>>(dx, dx_bf16, out, dweight, dbias, dout, x, weight, bias, mean,
-                                                          rstd, n, int(d));
+    kernel<<<blocks, kBackwardWarps * 32, smem, stream>>>(dx, dx_bf16, out, x_bf16, dweight, dbias, dout, x, weight,
+                                                          bias, mean, rstd, n, int(d));
   };
-  if (four_wide(d, {dx, dout, x}, {weight, dx_bf16, bias, out})) launch(layernorm_backward_kernel<4>);
+  if (four_wide(d, {dx, dout, x}, {weight, dx_bf16, bias, out, x_bf16})) launch(layernorm_backward_kernel<4>);
   else launch(layernorm_backward_kernel<1>);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }

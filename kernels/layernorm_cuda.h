@@ -17,10 +17,11 @@ void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float
 
 // Accumulates into dx [n, d], dweight [d] and dbias [d]. dx_bf16, when not null, also receives the
 // accumulated dx in bf16; out, when not null, the forward's output again (with bias), for weight
-// gradients that read it after the backward pass instead of a forward pass recomputing it.
+// gradients that read it after the backward pass instead of a forward pass recomputing it;
+// x_bf16, when not null, the input x in bf16 (for products that read it after the backward).
 void layernorm_backward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
                         const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
                         cudaStream_t stream, __nv_bfloat16* dx_bf16 = nullptr, const __nv_bfloat16* bias = nullptr,
-                        __nv_bfloat16* out = nullptr);
+                        __nv_bfloat16* out = nullptr, __nv_bfloat16* x_bf16 = nullptr);
 
 }  // namespace moeut::cuda

@@ -70,16 +70,17 @@ TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
     DeviceBuffer<float> gx(x), gmean(std::vector<float>(n, NAN)), grstd(std::vector<float>(n, NAN)), gdout(dout),
         gdx(dx0), gdw(std::vector<float>(d, 0.5f)), gdb(std::vector<float>(d, -0.5f));
     DeviceBuffer<bf16> gw(to_bf16(w)), gb(to_bf16(b)), gout(std::vector<bf16>(n * d, __float2bfloat16(NAN))),
-        gxb(gout.download()), gdxb(gout.download()), gout_again(gout.download());
+        gxb(gout.download()), gdxb(gout.download()), gout_again(gout.download()), gxb_again(gout.download());
     DeviceBuffer<float> gx_copy(std::vector<float>(n * d, NAN));
     cuda::layernorm_forward(gout.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0, gxb.get(),
                             gx_copy.get());
     cuda::layernorm_backward(gdx.get(), gdw.get(), gdb.get(), gdout.get(), gx.get(), gw.get(), gmean.get(), grstd.get(),
-                             n, d, 0, gdxb.get(), gb.get(), gout_again.get());
+                             n, d, 0, gdxb.get(), gb.get(), gout_again.get(), gxb_again.get());
     // The copies: x exactly (its values are bf16), dx rounded from the fp32 result; the backward
     // pass's output bit for bit the forward's (the same expression on the same mean and rstd).
     EXPECT_EQ(to_float(gout_again.download()), to_float(gout.download())) << "output again, from the backward pass";
     EXPECT_EQ(to_float(gxb.download()), x) << "bf16 copy of x";
+    EXPECT_EQ(to_float(gxb_again.download()), x) << "bf16 copy of x, from the backward pass";
     EXPECT_EQ(gx_copy.download(), x) << "fp32 copy of x";
     EXPECT_EQ(to_float(gdxb.download()), to_float(to_bf16(gdx.download()))) << "bf16 copy of dx";
     EXPECT_LE(rel_error(to_float(gout.download()), out), 1e-2) << "output (bf16)";
