@@ -142,9 +142,8 @@ constexpr int kBackwardRegisterChunks = 12;
 template <int V>
 __global__ void __launch_bounds__(kBackwardWarps * 32, 2)
     layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, __nv_bfloat16* x_bf16, float* dw,
-                              float* db,
-                              const float* dout, const float* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
-                              const float* mean, const float* rstd, int64_t n, int d) {
+                              float* db, const float* dout, const float* x, const __nv_bfloat16* w,
+                              const __nv_bfloat16* b, const float* mean, const float* rstd, int64_t n, int d) {
   extern __shared__ float acc[];  // [kBackwardWarps][2][d]
   for (int i = threadIdx.x; i < kBackwardWarps * 2 * d; i += blockDim.x) acc[i] = 0.f;
   __syncthreads();
