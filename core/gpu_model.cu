@@ -43,9 +43,10 @@ struct GpuModel::Layer {
   // The value experts' unweighted rows, one per selection [N·H·ka, dh] (see cuda::at_selections):
   // the values are summed from them when needed, and their routing-weight gradient dots them.
   DeviceBuffer<bf16> v_sel;
-  // zv, zo, z: the routing logits, then (after the forward pass) the regulariser's gradient
-  // with respect to them, which is all the backward pass needs of them.
+  // zv, zo, z: the routing logits, from which the top-k backward makes the regulariser's gradient,
+  // with their rows' log-sum-exps zv_lse, zo_lse, z_lse.
   DeviceBuffer<float> mean1, rstd1, zv, zo, wv, wo, x_mid, mean2, rstd2, z, w_ff;
+  DeviceBuffer<float> zv_lse, zo_lse, z_lse;
   DeviceBuffer<float> lse;  // attention's row log-sum-exp, for its backward
   DeviceBuffer<int32_t> iv, io, i_ff;
   cuda::CvmmPlanBuffers plan_v, plan_o, plan_ff;  // kept from the forward to the backward pass
@@ -99,6 +100,8 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
     for (auto* b : {&L.mean1, &L.rstd1, &L.mean2, &L.rstd2}) *b = DeviceBuffer<float>(size_t(N));
     L.lse = DeviceBuffer<float>(size_t(N * H));
     for (auto* b : {&L.zv, &L.zo}) *b = DeviceBuffer<float>(size_t(N * he));
+    for (auto* b : {&L.zv_lse, &L.zo_lse}) *b = DeviceBuffer<float>(size_t(N * H));
+    L.z_lse = DeviceBuffer<float>(size_t(N));
     for (auto* b : {&L.wv, &L.wo}) *b = DeviceBuffer<float>(size_t(N * hk));
     for (auto* b : {&L.iv, &L.io}) *b = DeviceBuffer<int32_t>(size_t(N * hk));
     L.x_mid = DeviceBuffer<float>(size_t(N * d));
@@ -164,8 +167,10 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
     MOEUT_CUDA_CHECK(cudaMemset(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float)));
   }
   attention_ = std::make_unique<cuda::CausalAttention>(cublas_, batch, T, H, cfg_.d_head);
-  reg_ffn_ = std::make_unique<cuda::EntropyReg>(batch, 1, cfg_.ff_n_experts);
-  reg_att_ = std::make_unique<cuda::EntropyReg>(batch, H, cfg_.att_n_experts);
+  const int64_t G = cfg_.group_size, R = cfg_.repeats();
+  reg_ffn_ = std::make_unique<cuda::EntropyReg>(G, batch, T, 1, cfg_.ff_n_experts, R);
+  reg_att_v_ = std::make_unique<cuda::EntropyReg>(G, batch, T, H, cfg_.att_n_experts, R);
+  reg_att_o_ = std::make_unique<cuda::EntropyReg>(G, batch, T, H, cfg_.att_n_experts, R);
   head_ = std::make_unique<cuda::LmHeadCE>(cublas_, cfg_.n_tokens, d);
 }
 
@@ -285,7 +290,8 @@ void GpuModel::route(const bf16* x, const std::string& weight, std::initializer_
   cudaStream_t const stream = beside ? side_->get() : stream_;
   int64_t column = 0;
   for (const Routing& r : routers) {
-    cuda::topk_sigmoid_forward(r.index, r.w, logits + column, N, r.groups, r.E, r.k, stream, ld, direct ? nullptr : r.z);
+    cuda::topk_sigmoid_forward(r.index, r.w, logits + column, N, r.groups, r.E, r.k, stream, ld, direct ? nullptr : r.z,
+                               r.means);
     column += r.groups * r.E;
   }
 }
@@ -305,7 +311,9 @@ void GpuModel::attention_forward(int64_t l) {
   // small kernels bound by latency, run on the side stream beside q, k and RoPE; the output
   // experts' plan, needed only after the attention, is built beside the value experts too.
   route(xn_.get(), p + "attention.sel_v",
-        {{H, Ea, ka, L.zv.get(), L.iv.get(), L.wv.get()}, {H, Ea, ka, L.zo.get(), L.io.get(), L.wo.get()}}, true);
+        {{H, Ea, ka, L.zv.get(), L.iv.get(), L.wv.get(), reg_means(*reg_att_v_, l, L.zv_lse.get())},
+         {H, Ea, ka, L.zo.get(), L.io.get(), L.wo.get(), reg_means(*reg_att_o_, l, L.zo_lse.get())}},
+        true);
   planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, side_->get());
   side_->mark();
   planner_->build(L.plan_o, L.io.get(), N, H, Ea, ka, cuda::CvmmRoute::kGroupRowsToTokens, side_->get());
@@ -336,7 +344,8 @@ void GpuModel::ffn_forward(int64_t l) {
   mark(Part::kOther);
   cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
                           wparam(p + "ln2.bias"), N, d, stream_, L.x_midb.get(), y);
-  route(xn_.get(), p + "ffn.expert_sel", {{1, Ef, kf, L.z.get(), L.i_ff.get(), L.w_ff.get()}});
+  route(xn_.get(), p + "ffn.expert_sel",
+        {{1, Ef, kf, L.z.get(), L.i_ff.get(), L.w_ff.get(), reg_means(*reg_ffn_, l, L.z_lse.get())}});
   if (!dispatcher_) {
     mark(Part::kExperts);
     experts_forward(l, L.i_ff.get(), y);
@@ -430,6 +439,8 @@ void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
 void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
   const bool backward = pass == Pass::kTrain;
   B_ = B;
+  regularised_ = pass != Pass::kEvaluate;
+  weight_ = weight;
   mark(Part::kAttention);
   attention_->set_batch(B);
   const int64_t T = cfg_.context, N = B * T, d = cfg_.d_model;
@@ -440,29 +451,24 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
                                    cudaMemcpyHostToDevice, stream_));
   copy_weights(backward);
   cuda::embedding_forward(xs_[0].get(), inputs_.get(), wparam("embedding.weight"), N, d, stream_);
+  if (regularised_) {
+    mark(Part::kRouting);
+    for (cuda::EntropyReg* reg : {reg_ffn_.get(), reg_att_v_.get(), reg_att_o_.get()}) reg->clear(stream_);
+  }
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     attention_forward(l);
     ffn_forward(l);
   }
-  // Regularisers over the R uses of each physical layer (their logit gradients are kept for the
-  // backward pass), on the side stream: the output LayerNorm and the LM head beside them need
-  // none of their work, and the backward pass none of it before the join below.
+  // The regularisers' losses and gradient weights, once every use has added its softmax means, on
+  // the side stream: the output LayerNorm and the LM head beside them need none of their work,
+  // and the backward pass none of it before the join below.
   mark(Part::kRouting);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(reg_loss_.get(), 0, 2 * sizeof(double), stream_));
   side_->fork();
-  const int64_t G = cfg_.group_size, R = cfg_.repeats();
-  for (int64_t g = 0; g < (pass == Pass::kEvaluate ? 0 : G); ++g) {
-    std::vector<const float*> zf, zv, zo;
-    std::vector<float*> dzf, dzv, dzo;
-    for (int64_t r = 0; r < R; ++r) {
-      Layer& L = layers_[r * G + g];
-      zf.push_back(L.z.get()); dzf.push_back(L.z.get());
-      zv.push_back(L.zv.get()); dzv.push_back(L.zv.get());
-      zo.push_back(L.zo.get()); dzo.push_back(L.zo.get());
-    }
-    reg_ffn_->forward_backward(dzf, zf, T, weight * cfg_.entropy_reg, reg_loss_.get(), side_->get());
-    reg_att_->forward_backward(dzv, zv, T, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, side_->get());
-    reg_att_->forward_backward(dzo, zo, T, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, side_->get());
+  for (int64_t g = 0; g < (regularised_ ? cfg_.group_size : 0); ++g) {
+    reg_ffn_->finish(g, weight * cfg_.entropy_reg, reg_loss_.get(), side_->get());
+    reg_att_v_->finish(g, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, side_->get());
+    reg_att_o_->finish(g, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, side_->get());
   }
   mark(Part::kOther);
   cuda::layernorm_forward(xf_.get(), mean_f_.get(), rstd_f_.get(), xs_.back().get(), wparam("out_norm.weight"),
@@ -533,10 +539,10 @@ void GpuModel::dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, in
                "dense input gradient");
 }
 
-void GpuModel::routing_grad(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E,
-                            int64_t k, bf16* dzb, int64_t ld) {
+void GpuModel::routing_grad(const cuda::SoftmaxGrad& reg, const int32_t* index, const float* w, int64_t groups,
+                            int64_t E, int64_t k, bf16* dzb, int64_t ld) {
   mark(Part::kRouting);
-  cuda::topk_sigmoid_backward(dzb, ld, dz_reg, dw_.get(), index, w, B_ * cfg_.context, groups, E, k, stream_);
+  cuda::topk_sigmoid_backward(dzb, ld, reg, dw_.get(), index, w, B_ * cfg_.context, groups, E, k, stream_);
 }
 
 void GpuModel::ffn_backward(int64_t l) {
@@ -561,7 +567,9 @@ void GpuModel::ffn_backward(int64_t l) {
   }
   // The router: its gradient's rows padded to router_ld (zeros past Ef), its weight likewise.
   const int64_t ld = router_ld(Ef);
-  routing_grad(L.z.get(), L.i_ff.get(), L.w_ff.get(), 1, Ef, kf, dzb_.get(), ld);
+  const int64_t g = l % cfg_.group_size;
+  routing_grad(reg_ffn_->gradient(g, L.z.get(), L.z_lse.get(), weight_ * cfg_.entropy_reg), L.i_ff.get(), L.w_ff.get(),
+               1, Ef, kf, dzb_.get(), ld);
   mark(Part::kDense);
   dense_input_grad(dzb_.get(), ld, router_weight(p + "ffn.expert_sel"), ld, N, dxn_.get());
   mark(Part::kOther);
@@ -663,7 +671,10 @@ void GpuModel::attention_backward(int64_t l) {
   bf16* const dk = dq + hd;
   bf16* const dz_v = dq + 2 * hd;
   bf16* const dz_o = dz_v + H * Ea;
-  routing_grad(L.zo.get(), L.io.get(), L.wo.get(), H, Ea, ka, dz_o, attn_in_ld_);
+  const int64_t g = l % cfg_.group_size;
+  const double att_coef = weight_ * cfg_.att_entropy_reg;
+  routing_grad(reg_att_o_->gradient(g, L.zo.get(), L.zo_lse.get(), att_coef), L.io.get(), L.wo.get(), H, Ea, ka, dz_o,
+               attn_in_ld_);
   mark(Part::kAttention);
   // q and k were scaled by s in the forward pass: dq and dk come scaled alike, the gradients of
   // the products before the scale.
@@ -679,7 +690,8 @@ void GpuModel::attention_backward(int64_t l) {
   cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), nullptr,
                                          nullptr, dh, d, true, true, N}, stream_);
   cuda::cvmm_selection_dots(dw_.get(), L.v_sel.get(), dv_.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
-  routing_grad(L.zv.get(), L.iv.get(), L.wv.get(), H, Ea, ka, dz_v, attn_in_ld_);
+  routing_grad(reg_att_v_->gradient(g, L.zv.get(), L.zv_lse.get(), att_coef), L.iv.get(), L.wv.get(), H, Ea, ka, dz_v,
+               attn_in_ld_);
   mark(Part::kAttention);
   cuda::rope_backward(dq, B_, T, 2 * H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);  // dq and dk's 2·H heads
   mark(Part::kDense);

@@ -130,8 +130,8 @@ class GpuModel {
   void dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, float* dx);
   // The routing logits' gradient, dz = regulariser gradient + routing backward, in bf16 into dzb
   // [rows, groups·E] with rows ld elements apart.
-  void routing_grad(const float* dz_reg, const int32_t* index, const float* w, int64_t groups, int64_t E, int64_t k,
-                    bf16* dzb, int64_t ld);
+  void routing_grad(const cuda::SoftmaxGrad& reg, const int32_t* index, const float* w, int64_t groups, int64_t E,
+                    int64_t k, bf16* dzb, int64_t ld);
   // y's rows are y_ld elements apart (0: out_features); w: the weight's values when not the
   // parameter itself (a padded copy).
   void dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out_features, float alpha, void* y,
@@ -145,17 +145,24 @@ class GpuModel {
   // padded copy when it has one, else the parameter.
   const bf16* router_weight(const std::string& weight) const;
   // One router's outputs: logits z [N, groups·E] (kept for the regularisers and the backward
-  // pass) and the top k of each group, index and w [N, groups, k].
+  // pass) and the top k of each group, index and w [N, groups, k]; its regulariser's means, which
+  // the top-k adds into (none when their mean is null).
   struct Routing {
     int64_t groups, E, k;
     float* z;
     int32_t* index;
     float* w;
+    cuda::SoftmaxMeans means;
   };
   // Routing by routers whose weights lie one after another from `weight`: one product x·Wᵀ for
   // all of them, in fp32 (see router_ld), then each one's top k: on the main stream, or with
   // `beside`, forked after the product onto the side stream (the caller joins it).
   void route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers, bool beside = false);
+  // The means that layer l's router adds into through reg (none in an evaluation pass); lse
+  // receives its rows' log-sum-exps.
+  cuda::SoftmaxMeans reg_means(const cuda::EntropyReg& reg, int64_t l, float* lse) const {
+    return regularised_ ? reg.means(l % cfg_.group_size, lse) : cuda::SoftmaxMeans{};
+  }
   void mark(Part p);  // the work queued on the main stream from here on belongs to p (kCount: none)
   // Where a physical layer's FFN router weight gradient accumulates: its rows in
   // router_grads_padded_ when that exists, else the parameter's gradient.
@@ -167,6 +174,8 @@ class GpuModel {
   ParamLayout layout_;
   std::unique_ptr<GpuAllToAllDispatcher> dispatcher_;  // expert parallelism; none when every expert is here
   int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
+  bool regularised_ = false;  // the pass being enqueued has the regularisers (all but evaluation)
+  double weight_ = 1.0;       // and its loss weight
   cudaStream_t stream_ = nullptr;
   bool own_stream_ = false;
   cublasHandle_t cublas_ = nullptr;
@@ -214,7 +223,8 @@ class GpuModel {
   cuda::DeviceBuffer<bf16> recv_dy_;
   cuda::DeviceBuffer<double> reg_loss_;
   std::unique_ptr<cuda::CausalAttention> attention_;
-  std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_;
+  // The regularisers' means per physical layer: the FFN router's and the attention's two.
+  std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_v_, reg_att_o_;
   std::unique_ptr<cuda::LmHeadCE> head_;
   std::unique_ptr<cuda::CvmmPlanner> planner_;
   // Work beside the main stream: the attention's top-ks and plans in the forward pass (beside q,

@@ -1,6 +1,7 @@
 #include <stdexcept>
 
 #include "kernels/cuda_check.h"
+#include "kernels/lane_reduce.cuh"
 #include "kernels/routing_cuda.h"
 #include "kernels/with_ceiling.h"
 
@@ -50,19 +51,45 @@ __device__ __forceinline__ const float* row_logits(const float* logits, int64_t 
   return logits + int64_t(token) * ld + int64_t(uint32_t(r) - token * uint32_t(groups)) * E;
 }
 
-// Small k: one warp per (row, group). Each lane knows the best of its keys not yet taken; each of
-// the k rounds takes the warp's largest key (ties to the lower expert index) with two warp
-// reductions, and only the lane that gave it looks again.
+// A block's rows: kWarps consecutive tokens of one sequence b and one group g, a warp each, so
+// that they share one row (b, g) of the regulariser's means. Warps past the sequence's end are
+// not live (they still take part in the block's barriers).
+struct BlockRow {
+  int64_t r;         // the warp's row (token, g) of [n, groups]
+  int64_t mean_row;  // b * groups + g
+  bool live;
+};
+__device__ __forceinline__ BlockRow block_row(int64_t T, int groups) {
+  const int64_t chunks = (T + kWarps - 1) / kWarps, chunk = blockIdx.x % chunks, bg = blockIdx.x / chunks;
+  const int64_t b = bg / groups, t = chunk * kWarps + threadIdx.x / 32;
+  return {(b * T + min(t, T - 1)) * groups + bg % groups, bg, t < T};
+}
+
+// The regulariser's means: the row's softmax / S added into the block's shared sums, from the
+// keys (the logits' bits, -0 as +0). Returns the row's log-sum-exp.
 template <int P>
-__global__ void __launch_bounds__(kWarps * 32) topk_rounds_kernel(int32_t* index, float* weight, const float* logits,
-                                                                  float* packed, int64_t rows, int groups, int64_t ld,
-                                                                  int E, int k) {
-  const int lane = threadIdx.x % 32;
-  const int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-  if (r >= rows) return;
-  const float* z = row_logits(logits, r, groups, ld, E);
-  uint32_t key[P];
-  uint32_t taken = load_keys(key, z, packed ? packed + r * E : nullptr, lane, E);  // chosen, or past E
+__device__ __forceinline__ float add_softmax(float* sums, const uint32_t (&key)[P], uint32_t dead, int lane, float inv_S) {
+  uint32_t top = 0;
+#pragma unroll
+  for (int q = 0; q < P; ++q) top = dead >> q & 1u ? top : max(top, key[q]);
+  const float mx = key_logit(__reduce_max_sync(0xffffffffu, top));
+  float s = 0.f;
+#pragma unroll
+  for (int q = 0; q < P; ++q) s += dead >> q & 1u ? 0.f : __expf(key_logit(key[q]) - mx);
+  const float lse = mx + __logf(warp_sum(s));
+#pragma unroll
+  for (int q = 0; q < P; ++q)
+    if (!(dead >> q & 1u)) atomicAdd(&sums[lane + 32 * q], __expf(key_logit(key[q]) - lse) * inv_S);
+  return lse;
+}
+
+// Small k: each lane knows the best of its keys not yet taken; each of the k rounds takes the
+// warp's largest key (ties to the lower expert index) with two warp reductions, and only the lane
+// that gave it looks again.
+template <int P>
+__device__ __forceinline__ void select_by_rounds(int32_t* index, float* weight, const uint32_t (&key)[P], uint32_t dead,
+                                                 int lane, int k) {
+  uint32_t taken = dead;  // chosen, or past E
   uint32_t best = 0;
   int slot = -1;  // this lane's best untaken slot (the lower one on ties), -1 when none is left
   auto look = [&] {
@@ -84,29 +111,19 @@ __global__ void __launch_bounds__(kWarps * 32) topk_rounds_kernel(int32_t* index
     }
   }
   if (lane < k) {
-    index[r * k + lane] = mine;
-    weight[r * k + lane] = key_sigmoid(mine_key);
+    index[lane] = mine;
+    weight[lane] = key_sigmoid(mine_key);
   }
 }
 
-// Large k: one warp per (row, group). The k-th largest key is searched bit by bit from the top,
-// counting the keys at or above each candidate (one warp sum per bit), and the search stops as
-// soon as exactly k keys are at or above it (usually long before the last bit: the k-th and
-// (k+1)-th largest logits rarely share many leading bits).
-// Ties at the k-th key go to the lower expert indices; the k chosen are then ranked (descending
-// key, ties to the lower index) through shared memory.
+// Large k: the k-th largest key is searched bit by bit from the top, counting the keys at or
+// above each candidate (one warp sum per bit), and the search stops as soon as exactly k keys are
+// at or above it (usually long before the last bit: the k-th and (k+1)-th largest logits rarely
+// share many leading bits). Ties at the k-th key go to the lower expert indices; the k chosen are
+// then ranked (descending key, ties to the lower index) through the warp's shared slots.
 template <int P>
-__global__ void __launch_bounds__(kWarps * 32) topk_search_kernel(int32_t* index, float* weight, const float* logits,
-                                                                  float* packed, int64_t rows, int groups, int64_t ld,
-                                                                  int E, int k) {
-  __shared__ uint32_t chosen_key[kWarps][32];
-  __shared__ int chosen_expert[kWarps][32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t r = int64_t(blockIdx.x) * kWarps + warp;
-  if (r >= rows) return;
-  const float* z = row_logits(logits, r, groups, ld, E);
-  uint32_t key[P];
-  const uint32_t dead = load_keys(key, z, packed ? packed + r * E : nullptr, lane, E);
+__device__ __forceinline__ void select_by_search(int32_t* index, float* weight, const uint32_t (&key)[P], uint32_t dead,
+                                                 int lane, int k, uint32_t* chosen_key, int* chosen_expert) {
   uint32_t prefix = 0;  // the k-th largest key, as far as its bits are known
   bool exact = false;   // exactly k keys are at or above prefix
   for (int b = 31; b >= 0; --b) {
@@ -144,39 +161,99 @@ __global__ void __launch_bounds__(kWarps * 32) topk_search_kernel(int32_t* index
     const uint32_t mask = __ballot_sync(0xffffffffu, chosen >> q & 1u);
     if (chosen >> q & 1u) {
       const int at = filled + __popc(mask & ((1u << lane) - 1u));
-      chosen_key[warp][at] = key[q];
-      chosen_expert[warp][at] = lane + 32 * q;
+      chosen_key[at] = key[q];
+      chosen_expert[at] = lane + 32 * q;
     }
     filled += __popc(mask);
   }
   __syncwarp();
   if (lane < k) {
-    const uint32_t mine = chosen_key[warp][lane];
-    const int expert = chosen_expert[warp][lane];
+    const uint32_t mine = chosen_key[lane];
+    const int expert = chosen_expert[lane];
     int rank = 0;
 #pragma unroll 8
     for (int i = 0; i < k; ++i) {  // unrolled, so that the shared-memory loads overlap
-      const uint32_t other = chosen_key[warp][i];
-      rank += other > mine || (other == mine && chosen_expert[warp][i] < expert);
+      const uint32_t other = chosen_key[i];
+      rank += other > mine || (other == mine && chosen_expert[i] < expert);
     }
-    index[r * k + rank] = expert;
-    weight[r * k + rank] = key_sigmoid(mine);
+    index[rank] = expert;
+    weight[rank] = key_sigmoid(mine);
   }
 }
 
-// One warp per token row: the regulariser's gradient into the warp's part of shared memory, the
-// selected experts' terms added (distinct within a group, so without atomics), the row written in
-// bf16.
-__global__ void __launch_bounds__(kWarps * 32) topk_backward_kernel(__nv_bfloat16* dlogits, int64_t ld,
-                                                                    const float* dz_reg, const float* dweight,
-                                                                    const int32_t* index, const float* weight,
-                                                                    int64_t n, int groups, int E, int k) {
+// One warp per (row, group), blocks as block_row lays them out; with means.mean, the block's
+// rows' softmax summed in shared memory ([E] floats, dynamic) and then added to its mean row.
+template <int P, bool kSearch>
+__global__ void __launch_bounds__(kWarps * 32) topk_kernel(int32_t* index, float* weight, const float* logits,
+                                                           float* packed, int groups, int64_t ld, int E, int k,
+                                                           SoftmaxMeans means) {
+  extern __shared__ float sums[];
+  __shared__ uint32_t chosen_key[kSearch ? kWarps : 1][32];
+  __shared__ int chosen_expert[kSearch ? kWarps : 1][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (means.mean) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) sums[e] = 0.f;
+    __syncthreads();
+  }
+  const BlockRow row = block_row(means.T, groups);
+  if (row.live) {
+    const int64_t r = row.r;
+    uint32_t key[P];
+    const uint32_t dead = load_keys(key, row_logits(logits, r, groups, ld, E), packed ? packed + r * E : nullptr, lane, E);
+    if (means.mean) {
+      const float lse = add_softmax(sums, key, dead, lane, means.inv_S);
+      if (lane == 0) means.lse[r] = lse;
+    }
+    if constexpr (kSearch)
+      select_by_search(index + r * k, weight + r * k, key, dead, lane, k, chosen_key[warp], chosen_expert[warp]);
+    else
+      select_by_rounds(index + r * k, weight + r * k, key, dead, lane, k);
+  }
+  if (means.mean) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) atomicAdd(&means.mean[row.mean_row * E + e], sums[e]);
+  }
+}
+
+// A row's E logits at z handled by L lanes of a warp, about kExpertsPerLane each (L: the power of
+// two at or above E / kExpertsPerLane, from 4 to 32), 32 / L rows at a time: attention's 12
+// experts take 4 lanes, 3 each, so that a warp covers 8 of its groups at once.
+constexpr int64_t kExpertsPerLane = 4;
+int64_t lane_target(int64_t E) { return (E + kExpertsPerLane - 1) / kExpertsPerLane; }
+// One warp per token: the regulariser's gradient of its groups (L lanes a group) into the warp's
+// part of shared memory, the selected experts' terms added (distinct within a group, so without
+// atomics), the row written in bf16.
+template <int L>
+__global__ void __launch_bounds__(kWarps * 32) topk_backward_kernel(__nv_bfloat16* dlogits, int64_t ld, SoftmaxGrad reg,
+                                                                    const float* dweight, const int32_t* index,
+                                                                    const float* weight, int64_t n, int groups, int E,
+                                                                    int k) {
   extern __shared__ float rows[];
   const int lane = threadIdx.x % 32, cols = groups * E, picks = groups * k;
   const int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (t >= n) return;
   float* const row = rows + (threadIdx.x / 32) * cols;
-  for (int c = lane; c < cols; c += 32) row[c] = dz_reg[t * cols + c];
+  if (reg.z) {
+    const float* const c = reg.c + t / reg.T * cols;
+    for (int g0 = 0; g0 < groups; g0 += 32 / L) {  // lanes past the last group redo it, unwritten
+      const bool mine = g0 + lane / L < groups;
+      const int g = min(g0 + lane / L, groups - 1), sub = lane % L;
+      const float* const z = reg.z + t * cols + g * E;
+      const float* const cg = c + g * E;
+      const float lse = reg.lse[t * groups + g];
+      float dot = 0.f;
+      for (int e = sub; e < E; e += L) {
+        const float p = __expf(z[e] - lse);
+        if (mine) row[g * E + e] = p;
+        dot += p * cg[e];
+      }
+      dot = group_sum<L>(dot);
+      if (mine)
+        for (int e = sub; e < E; e += L) row[g * E + e] = reg.scale * row[g * E + e] * (cg[e] - dot);
+    }
+  } else {
+    for (int c = lane; c < cols; c += 32) row[c] = 0.f;
+  }
   __syncwarp();
   for (int j = lane; j < picks; j += 32) {
     const int64_t i = t * picks + j;
@@ -190,39 +267,48 @@ __global__ void __launch_bounds__(kWarps * 32) topk_backward_kernel(__nv_bfloat1
 }  // namespace
 
 void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, int64_t n, int64_t groups, int64_t E,
-                          int64_t k, cudaStream_t stream, int64_t ld, float* packed) {
+                          int64_t k, cudaStream_t stream, int64_t ld, float* packed, const SoftmaxMeans& means) {
   if (E > 32 * kMaxPerLane || k > 32 || k > E) throw std::invalid_argument("topk_sigmoid_forward: needs k <= E <= 1024, k <= 32");
   if (ld == 0) ld = groups * E;
   if (ld < groups * E) throw std::invalid_argument("topk_sigmoid_forward: logit rows ld apart need ld >= groups * E");
   const int64_t rows = n * groups;
   if (rows == 0) return;
   if (rows >= int64_t(1) << 32) throw std::invalid_argument("topk_sigmoid_forward: needs n * groups < 2^32");
+  if (means.mean && (!means.lse || means.T <= 0 || n % means.T != 0))
+    throw std::invalid_argument("topk_sigmoid_forward: the means need their lse and n a multiple of their T");
+  SoftmaxMeans at = means;
+  if (!at.mean) at.T = n;  // the blocks' layout takes one sequence then
+  const int64_t blocks = n / at.T * groups * ((at.T + kWarps - 1) / kWarps);
+  const size_t shared = at.mean ? size_t(E) * sizeof(float) : 0;
   // P: the logits a lane holds, at or above E / 32. Rounds cost k passes over a lane's P keys,
   // the search one per bit it needs: rounds for k up to 4 (attention's k 2: 0.022 against 0.050
   // ms for a full 32-bit search at 1B, PERFORMANCE.md v12), the search above (FFN k 24: 0.091
   // against 0.107 ms, v20).
   with_ceiling<1, 2, 4, 8, 12, 16, 20, 24, 28, kMaxPerLane>((E + 31) / 32, [&](auto P) {
-    const unsigned blocks = unsigned((rows + kWarps - 1) / kWarps);
     if (k <= 4)
-      topk_rounds_kernel<P><<<blocks, kWarps * 32, 0, stream>>>(index, weight, logits, packed, rows, int(groups), ld,
-                                                                int(E), int(k));
+      topk_kernel<P, false><<<unsigned(blocks), kWarps * 32, shared, stream>>>(index, weight, logits, packed,
+                                                                                 int(groups), ld, int(E), int(k), at);
     else
-      topk_search_kernel<P><<<blocks, kWarps * 32, 0, stream>>>(index, weight, logits, packed, rows, int(groups), ld,
-                                                                int(E), int(k));
+      topk_kernel<P, true><<<unsigned(blocks), kWarps * 32, shared, stream>>>(index, weight, logits, packed,
+                                                                                int(groups), ld, int(E), int(k), at);
   });
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-void topk_sigmoid_backward(__nv_bfloat16* dlogits, int64_t ld, const float* dz_reg, const float* dweight,
+void topk_sigmoid_backward(__nv_bfloat16* dlogits, int64_t ld, const SoftmaxGrad& reg, const float* dweight,
                            const int32_t* index, const float* weight, int64_t n, int64_t groups, int64_t E, int64_t k,
                            cudaStream_t stream) {
   if (n == 0) return;
   const int64_t cols = groups * E;
   if (ld < cols) throw std::invalid_argument("topk_sigmoid_backward: gradient rows ld apart need ld >= groups * E");
+  if (reg.z && (!reg.lse || !reg.c || reg.T <= 0 || n % reg.T != 0))
+    throw std::invalid_argument("topk_sigmoid_backward: the regulariser needs its lse, c and n a multiple of its T");
   const size_t shared = size_t(kWarps * cols) * sizeof(float);
   if (shared > 48 * 1024) throw std::invalid_argument("topk_sigmoid_backward: needs groups * E <= 1536");
-  topk_backward_kernel<<<unsigned((n + kWarps - 1) / kWarps), kWarps * 32, shared, stream>>>(
-      dlogits, ld, dz_reg, dweight, index, weight, n, int(groups), int(E), int(k));
+  with_ceiling<4, 8, 16, 32>(lane_target(E), [&](auto L) {
+    topk_backward_kernel<L><<<unsigned((n + kWarps - 1) / kWarps), kWarps * 32, shared, stream>>>(
+        dlogits, ld, reg, dweight, index, weight, n, int(groups), int(E), int(k));
+  });
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -131,7 +131,7 @@ TEST_F(GpuTest, SigmoidTopKMatchesTheCpuReference) {
   // coarse: logits on a grid of 0.5, so that many tie, at the k-th largest too. k <= 4 takes the
   // rounds kernel, larger k the bit search. pad: the logits' token rows are that many columns
   // wider (a padded product's output), and the packed copy is checked; the gradient's bf16 rows
-  // are as much wider, their padding left as it was.
+  // are as much wider, their padding left as it was. No regulariser here (see the next test).
   struct Case { int64_t n, groups, E, k; bool coarse; int64_t pad; };
   for (const Case& c : {Case{4096, 1, 565, 24, false, 11}, Case{1000, 6, 12, 2, false, 0}, Case{300, 1, 40, 32, false, 0},
                         Case{500, 1, 1024, 32, false, 0}, Case{777, 1, 387, 16, true, 5}, Case{999, 6, 12, 2, true, 8},
@@ -147,17 +147,15 @@ TEST_F(GpuTest, SigmoidTopKMatchesTheCpuReference) {
     for (int64_t t = 0; t < c.n; ++t) std::copy(z.begin() + t * cols, z.begin() + (t + 1) * cols, padded.begin() + t * ld);
     const int64_t sel = c.n * c.groups * c.k;
     std::vector<int32_t> idx(sel);
-    std::vector<float> w(sel), dw(sel), dz(z.size());
+    std::vector<float> w(sel), dw(sel), dz(z.size(), 0.f);
     for (auto& v : dw) v = float(rng.normal());
-    for (auto& v : dz) v = float(0.01 * rng.normal());  // the regulariser's gradient
-    const DeviceBuffer<float> gdz_reg(dz);
     topk_sigmoid_forward(idx.data(), w.data(), z.data(), c.n, c.groups, c.E, c.k);
     topk_sigmoid_backward(dz.data(), dw.data(), idx.data(), w.data(), c.n, c.groups, c.E, c.k);
     DeviceBuffer<float> gz(padded), gpacked(std::vector<float>(z.size(), NAN)), gw(std::vector<float>(sel, NAN)), gdw(dw);
     DeviceBuffer<int32_t> gidx(std::vector<int32_t>(sel, -1));
     DeviceBuffer<bf16> gdz(to_bf16(std::vector<float>(c.n * ld, 7.f)));
     cuda::topk_sigmoid_forward(gidx.get(), gw.get(), gz.get(), c.n, c.groups, c.E, c.k, 0, ld, c.pad ? gpacked.get() : nullptr);
-    cuda::topk_sigmoid_backward(gdz.get(), ld, gdz_reg.get(), gdw.get(), gidx.get(), gw.get(), c.n, c.groups, c.E, c.k, 0);
+    cuda::topk_sigmoid_backward(gdz.get(), ld, {}, gdw.get(), gidx.get(), gw.get(), c.n, c.groups, c.E, c.k, 0);
     EXPECT_EQ(gidx.download(), idx) << "indices";
     EXPECT_LE(rel_error(gw.download(), w), 1e-6) << "weights";
     if (c.pad) {
@@ -194,34 +192,72 @@ TEST_F(GpuTest, AdamWAndGradientNormMatchTheCpuReference) {
   EXPECT_NEAR(sum.download()[0], expect, 1e-5 * expect);
 }
 
-TEST_F(GpuTest, EntropyRegularisationMatchesTheCpuReference) {
-  struct Case { int64_t B, T, groups, E, R; double coef; };
-  for (const Case& c : {Case{3, 50, 1, 565, 4, 0.01}, Case{2, 100, 6, 12, 9, 0.001},
-                        Case{2, 37, 3, 8, 2, 0.001}, Case{1, 21, 4, 4, 3, 0.001}}) {
-    SCOPED_TRACE("groups " + std::to_string(c.groups) + " E " + std::to_string(c.E));
-    Rng rng{uint64_t(c.E)};
-    const int64_t per_use = c.B * c.T * c.groups * c.E;
+TEST_F(GpuTest, EntropyRegulariserOnTheRoutingKernelsMatchesTheCpuReference) {
+  // Each use's top-k adds its softmax into the means, finish() makes the loss, and each use's top-k
+  // backward makes the regulariser's gradient: with dweight zero that gradient alone (compared at
+  // bf16's precision), then with the selections' terms added. T not a multiple of 8 leaves
+  // partial blocks, T under 8 blocks of one sequence part dead; pad: logit rows wider, packed by
+  // the top-k. The means are the second of two layers'.
+  struct Case { int64_t B, T, groups, E, k, R; double coef; int64_t pad; };
+  for (const Case& c : {Case{3, 50, 1, 565, 24, 4, 0.01, 3}, Case{2, 100, 6, 12, 2, 9, 0.001, 0},
+                        Case{2, 37, 3, 8, 2, 2, 0.001, 5}, Case{1, 21, 4, 4, 3, 3, 0.001, 0},
+                        Case{2, 64, 1, 387, 16, 2, 0.01, 0}, Case{3, 5, 2, 40, 5, 2, 0.01, 0}}) {
+    SCOPED_TRACE("groups " + std::to_string(c.groups) + " E " + std::to_string(c.E) + " T " + std::to_string(c.T));
+    Rng rng{uint64_t(c.E + c.T)};
+    const int64_t n = c.B * c.T, cols = c.groups * c.E, ld = cols + c.pad, sel = n * c.groups * c.k;
     std::vector<std::vector<float>> z(size_t(c.R)), dz(size_t(c.R));
-    std::vector<DeviceBuffer<float>> gz;
-    std::vector<const float*> uses, guses;
-    std::vector<float*> duses, gduses;
+    std::vector<const float*> uses;
+    std::vector<float*> duses;
     for (int64_t r = 0; r < c.R; ++r) {
-      z[r] = random_bf16_values(per_use, rng, 2.0);
-      dz[r].assign(size_t(per_use), 0.f);
-      gz.emplace_back(z[r]);
-    }
-    for (int64_t r = 0; r < c.R; ++r) {
+      z[r] = random_bf16_values(n * cols, rng, 2.0);
+      dz[r].assign(size_t(n * cols), 0.f);
       uses.push_back(z[r].data());
       duses.push_back(dz[r].data());
-      guses.push_back(gz[r].get());
-      gduses.push_back(gz[r].get());  // in place, as the model runs it
     }
     const double loss = entropy_reg_forward_backward<float>(duses, uses, c.B, c.T, c.groups, c.E, c.coef);
+    cuda::EntropyReg reg(2, c.B, c.T, c.groups, c.E, c.R);
+    reg.clear(0);
+    std::vector<DeviceBuffer<float>> gz, gpacked, glse;
+    std::vector<DeviceBuffer<int32_t>> gidx;
+    std::vector<DeviceBuffer<float>> gw;
+    for (int64_t r = 0; r < c.R; ++r) {
+      std::vector<float> padded(size_t(n * ld), NAN);
+      for (int64_t t = 0; t < n; ++t) std::copy(z[r].begin() + t * cols, z[r].begin() + (t + 1) * cols, padded.begin() + t * ld);
+      gz.emplace_back(padded);
+      gpacked.emplace_back(std::vector<float>(size_t(n * cols), NAN));
+      gidx.emplace_back(std::vector<int32_t>(size_t(sel), -1));
+      gw.emplace_back(std::vector<float>(size_t(sel), NAN));
+      glse.emplace_back(std::vector<float>(size_t(n * c.groups), NAN));
+      cuda::topk_sigmoid_forward(gidx[r].get(), gw[r].get(), gz[r].get(), n, c.groups, c.E, c.k, 0, ld,
+                                 c.pad ? gpacked[r].get() : nullptr, reg.means(1, glse[r].get()));
+    }
     DeviceBuffer<double> gloss(std::vector<double>{0.0});
-    cuda::EntropyReg reg(c.B, c.groups, c.E);
-    reg.forward_backward(gduses, guses, c.T, c.coef, gloss.get(), 0);
+    reg.finish(1, c.coef, gloss.get(), 0);
     EXPECT_NEAR(gloss.download()[0], loss, 1e-5 * std::abs(loss)) << "loss";
-    for (int64_t r = 0; r < c.R; ++r) EXPECT_LE(rel_error(gz[r].download(), dz[r]), 1e-4) << "use " << r;
+    for (const bool with_selections : {false, true}) {
+      SCOPED_TRACE(with_selections ? "with the selections' terms" : "the regulariser's gradient alone");
+      for (int64_t r = 0; r < c.R; ++r) {
+        std::vector<int32_t> idx(sel);
+        std::vector<float> w(sel), dw(sel, 0.f), expected = dz[r];
+        if (with_selections)
+          for (auto& v : dw) v = float(rng.normal());
+        topk_sigmoid_forward(idx.data(), w.data(), z[r].data(), n, c.groups, c.E, c.k);
+        topk_sigmoid_backward(expected.data(), dw.data(), idx.data(), w.data(), n, c.groups, c.E, c.k);
+        ASSERT_EQ(gidx[r].download(), idx) << "indices of use " << r;
+        const DeviceBuffer<float> gdw(dw);
+        DeviceBuffer<bf16> gdz(to_bf16(std::vector<float>(size_t(n * ld), 7.f)));
+        const float* logits = c.pad ? gpacked[r].get() : gz[r].get();
+        cuda::topk_sigmoid_backward(gdz.get(), ld, reg.gradient(1, logits, glse[r].get(), c.coef), gdw.get(), gidx[r].get(), gw[r].get(),
+                                    n, c.groups, c.E, c.k, 0);
+        const std::vector<float> got = to_float(gdz.download());
+        std::vector<float> rows;
+        for (int64_t t = 0; t < n; ++t) {
+          rows.insert(rows.end(), got.begin() + t * ld, got.begin() + t * ld + cols);
+          for (int64_t j = cols; j < ld; ++j) ASSERT_EQ(got[t * ld + j], 7.f) << "padding of row " << t;
+        }
+        EXPECT_LE(rel_error(rows, expected), 4e-3) << "logit gradient (bf16) of use " << r;
+      }
+    }
   }
 }
 
