@@ -127,7 +127,8 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   if (const char* off = std::getenv("MOEUT_NO_GRAPHS"); off && std::string(off) == "1") graphs_on_ = false;
   v_ = DeviceBuffer<bf16>(size_t(N * hd));
   reg_loss_ = DeviceBuffer<double>(2);
-  for (auto* b : {&dres_, &dxn_, &dxf_}) *b = DeviceBuffer<float>(size_t(N * d));
+  for (auto* b : {&dres_, &dxf_}) *b = DeviceBuffer<float>(size_t(N * d));
+  dxn_ = DeviceBuffer<bf16>(size_t(N * d));
   dw_ = DeviceBuffer<float>(size_t(N * std::max(kf, hk)));
   // Padded rows (see router_ld): the FFN router, and the attention's two routers in one product.
   const int64_t router_rows = router_ld(std::max(cfg_.ff_n_experts, 2 * he));
@@ -529,12 +530,12 @@ void GpuModel::fold_router_grads() {
   MOEUT_CUDA_CHECK(cudaMemsetAsync(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float), stream_));
 }
 
-void GpuModel::dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, float* dx) {
+void GpuModel::dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, bf16* dx) {
   const int64_t d = cfg_.d_model;
   const float one = 1.f, zero = 0.f;
   // dx [rows, d] = dy W  <=>  cm [d, rows] = W(cm [d, k]) · dy(cm [k, rows])
   check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(d), int(rows), int(k), &one, W, CUDA_R_16BF, int(d), dy,
-                            CUDA_R_16BF, int(dy_ld), &zero, dx, CUDA_R_32F, int(d), CUBLAS_COMPUTE_32F,
+                            CUDA_R_16BF, int(dy_ld), &zero, dx, CUDA_R_16BF, int(d), CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT),
                "dense input gradient");
 }

@@ -127,7 +127,7 @@ class GpuModel {
   // The backward of dense, in two halves. dy [rows, *] has rows dy_ld elements apart.
   // dW [out, d] += dyᵀ·x;  dx [rows, d] = dy[:, :k] · W [k, d].
   void dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, float* dW, int64_t rows, int64_t out);
-  void dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, float* dx);
+  void dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, bf16* dx);
   // The routing logits' gradient, dz = regulariser gradient + routing backward, in bf16 into dzb
   // [rows, groups·E] with rows ld elements apart.
   void routing_grad(const cuda::SoftmaxGrad& reg, const int32_t* index, const float* w, int64_t groups, int64_t E,
@@ -201,8 +201,10 @@ class GpuModel {
   // (see WeightGradTurn).
   cuda::DeviceBuffer<bf16> deferred_dy_, deferred_dhidden_;
   // Backward scratch, shared by the layers.
-  cuda::DeviceBuffer<float> dres_, dxn_, dxf_, dw_, dheads_f32_;
-  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dv_;
+  cuda::DeviceBuffer<float> dres_, dxf_, dw_, dheads_f32_;
+  // dxn_: a LayerNorm output's gradient, as the products that read the output give it (bf16, as
+  // their other activations: the LayerNorm backward reads it once, PERFORMANCE v39).
+  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dv_, dxn_;
   cuda::DeviceBuffer<bf16> padded_routers_;  // see copy_weights; zero past each router's rows
   // A router product's output, rows router_ld apart, before each top-k packs its router's
   // columns into that router's z (see route).

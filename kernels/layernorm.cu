@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <initializer_list>
 #include <stdexcept>
+#include <type_traits>
 
 #include "kernels/cuda_check.h"
 #include "kernels/layernorm.h"
@@ -139,10 +140,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 // when not null, receives the forward's output again (normalized, as the forward kernel), and
 // x_bf16 the input in bf16, their operands read in the second pass anyway.
 constexpr int kBackwardRegisterChunks = 12;
-template <int V>
+template <int V, class Grad>
 __global__ void __launch_bounds__(kBackwardWarps * 32, 2)
     layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, __nv_bfloat16* x_bf16, float* dw,
-                              float* db, const float* dout, const float* x, const __nv_bfloat16* w,
+                              float* db, const Grad* dout, const float* x, const __nv_bfloat16* w,
                               const __nv_bfloat16* b, const float* mean, const float* rstd, int64_t n, int d) {
   extern __shared__ float acc[];  // [kBackwardWarps][2][d]
   for (int i = threadIdx.x; i < kBackwardWarps * 2 * d; i += blockDim.x) acc[i] = 0.f;
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, 2)
   constexpr int kStride = 32 * V, kHeld = kStride * kBackwardRegisterChunks;
   for (int64_t row = int64_t(blockIdx.x) * kBackwardWarps + warp; row < n; row += int64_t(gridDim.x) * kBackwardWarps) {
     const float* xr = x + row * d;
-    const float* gr = dout + row * d;
+    const Grad* gr = dout + row * d;
     Cols<V> g_held[kBackwardRegisterChunks], x_held[kBackwardRegisterChunks], dx_held[kBackwardRegisterChunks];
 #pragma unroll
     for (int c = 0; c < kBackwardRegisterChunks; ++c)
@@ -225,10 +226,13 @@ void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-void layernorm_backward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
-                        const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
-                        cudaStream_t stream, __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out,
-                        __nv_bfloat16* x_bf16) {
+namespace {
+
+template <class Grad>
+void launch_backward(float* dx, float* dweight, float* dbias, const Grad* dout, const float* x,
+                     const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
+                     cudaStream_t stream, __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out,
+                     __nv_bfloat16* x_bf16) {
   if (n == 0) return;
   if (out && !bias) throw std::invalid_argument("layernorm_backward: the forward output needs the bias");
   // At most 1056 blocks (8 per SM of an H100): each block's partial sums cost one pass of atomics
@@ -240,9 +244,28 @@ void layernorm_backward(float* dx, float* dweight, float* dbias, const float* do
     kernel<<<blocks, kBackwardWarps * 32, smem, stream>>>(dx, dx_bf16, out, x_bf16, dweight, dbias, dout, x, weight,
                                                           bias, mean, rstd, n, int(d));
   };
-  if (four_wide(d, {dx, dout, x}, {weight, dx_bf16, bias, out, x_bf16})) launch(layernorm_backward_kernel<4>);
-  else launch(layernorm_backward_kernel<1>);
+  constexpr bool kGradBf16 = std::is_same_v<Grad, __nv_bfloat16>;
+  const bool wide = kGradBf16 ? four_wide(d, {dx, x}, {dout, weight, dx_bf16, bias, out, x_bf16})
+                              : four_wide(d, {dx, dout, x}, {weight, dx_bf16, bias, out, x_bf16});
+  if (wide) launch(layernorm_backward_kernel<4, Grad>);
+  else launch(layernorm_backward_kernel<1, Grad>);
   MOEUT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void layernorm_backward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
+                        const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
+                        cudaStream_t stream, __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out,
+                        __nv_bfloat16* x_bf16) {
+  launch_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, n, d, stream, dx_bf16, bias, out, x_bf16);
+}
+
+void layernorm_backward(float* dx, float* dweight, float* dbias, const __nv_bfloat16* dout, const float* x,
+                        const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
+                        cudaStream_t stream, __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out,
+                        __nv_bfloat16* x_bf16) {
+  launch_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, n, d, stream, dx_bf16, bias, out, x_bf16);
 }
 
 }  // namespace moeut::cuda

@@ -89,6 +89,14 @@ TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
     EXPECT_LE(rel_error(gdx.download(), dx), 1e-5) << "input gradient";
     EXPECT_LE(rel_error(gdw.download(), dw), 1e-4) << "weight gradient";
     EXPECT_LE(rel_error(gdb.download(), db), 1e-4) << "bias gradient";
+    // The output's gradient in bf16 (its values are bf16): the same results.
+    DeviceBuffer<bf16> gdout_bf16(to_bf16(dout));
+    DeviceBuffer<float> gdx2(dx0), gdw2(std::vector<float>(d, 0.5f)), gdb2(std::vector<float>(d, -0.5f));
+    cuda::layernorm_backward(gdx2.get(), gdw2.get(), gdb2.get(), gdout_bf16.get(), gx.get(), gw.get(), gmean.get(),
+                             grstd.get(), n, d, 0);
+    EXPECT_LE(rel_error(gdx2.download(), dx), 1e-5) << "input gradient, bf16 output gradient";
+    EXPECT_LE(rel_error(gdw2.download(), dw), 1e-4) << "weight gradient, bf16 output gradient";
+    EXPECT_LE(rel_error(gdb2.download(), db), 1e-4) << "bias gradient, bf16 output gradient";
   }
 }
 
