@@ -1,5 +1,3 @@
-#include <cmath>
-
 #include "kernels/cuda_check.h"
 #include "kernels/entropy_reg_cuda.h"
 #include "kernels/lane_reduce.cuh"

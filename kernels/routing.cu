@@ -217,9 +217,10 @@ __global__ void __launch_bounds__(kWarps * 32) topk_kernel(int32_t* index, float
 
 // A row's E logits at z handled by L lanes of a warp, about kExpertsPerLane each (L: the power of
 // two at or above E / kExpertsPerLane, from 4 to 32), 32 / L rows at a time: attention's 12
-// experts take 4 lanes, 3 each, so that a warp covers 8 of its groups at once.
+// experts take 4 lanes, 3 each, so that a warp covers up to 8 of its groups at once.
 constexpr int64_t kExpertsPerLane = 4;
 int64_t lane_target(int64_t E) { return (E + kExpertsPerLane - 1) / kExpertsPerLane; }
+
 // One warp per token: the regulariser's gradient of its groups (L lanes a group) into the warp's
 // part of shared memory, the selected experts' terms added (distinct within a group, so without
 // atomics), the row written in bf16.
