@@ -441,7 +441,6 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
   const bool backward = pass == Pass::kTrain;
   B_ = B;
   regularised_ = pass != Pass::kEvaluate;
-  weight_ = weight;
   mark(Part::kAttention);
   attention_->set_batch(B);
   const int64_t T = cfg_.context, N = B * T, d = cfg_.d_model;
@@ -569,7 +568,7 @@ void GpuModel::ffn_backward(int64_t l) {
   // The router: its gradient's rows padded to router_ld (zeros past Ef), its weight likewise.
   const int64_t ld = router_ld(Ef);
   const int64_t g = l % cfg_.group_size;
-  routing_grad(reg_ffn_->gradient(g, L.z.get(), L.z_lse.get(), weight_ * cfg_.entropy_reg), L.i_ff.get(), L.w_ff.get(),
+  routing_grad(reg_ffn_->gradient(g, L.z.get(), L.z_lse.get()), L.i_ff.get(), L.w_ff.get(),
                1, Ef, kf, dzb_.get(), ld);
   mark(Part::kDense);
   dense_input_grad(dzb_.get(), ld, router_weight(p + "ffn.expert_sel"), ld, N, dxn_.get());
@@ -673,8 +672,7 @@ void GpuModel::attention_backward(int64_t l) {
   bf16* const dz_v = dq + 2 * hd;
   bf16* const dz_o = dz_v + H * Ea;
   const int64_t g = l % cfg_.group_size;
-  const double att_coef = weight_ * cfg_.att_entropy_reg;
-  routing_grad(reg_att_o_->gradient(g, L.zo.get(), L.zo_lse.get(), att_coef), L.io.get(), L.wo.get(), H, Ea, ka, dz_o,
+  routing_grad(reg_att_o_->gradient(g, L.zo.get(), L.zo_lse.get()), L.io.get(), L.wo.get(), H, Ea, ka, dz_o,
                attn_in_ld_);
   mark(Part::kAttention);
   // q and k were scaled by s in the forward pass: dq and dk come scaled alike, the gradients of
@@ -691,7 +689,7 @@ void GpuModel::attention_backward(int64_t l) {
   cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), nullptr,
                                          nullptr, dh, d, true, true, N}, stream_);
   cuda::cvmm_selection_dots(dw_.get(), L.v_sel.get(), dv_.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
-  routing_grad(reg_att_v_->gradient(g, L.zv.get(), L.zv_lse.get(), att_coef), L.iv.get(), L.wv.get(), H, Ea, ka, dz_v,
+  routing_grad(reg_att_v_->gradient(g, L.zv.get(), L.zv_lse.get()), L.iv.get(), L.wv.get(), H, Ea, ka, dz_v,
                attn_in_ld_);
   mark(Part::kAttention);
   cuda::rope_backward(dq, B_, T, 2 * H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);  // dq and dk's 2·H heads

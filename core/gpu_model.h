@@ -175,7 +175,6 @@ class GpuModel {
   std::unique_ptr<GpuAllToAllDispatcher> dispatcher_;  // expert parallelism; none when every expert is here
   int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
   bool regularised_ = false;  // the pass being enqueued has the regularisers (all but evaluation)
-  double weight_ = 1.0;       // and its loss weight
   cudaStream_t stream_ = nullptr;
   bool own_stream_ = false;
   cublasHandle_t cublas_ = nullptr;

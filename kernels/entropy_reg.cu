@@ -24,7 +24,7 @@ __global__ void entropy_terms(float* mean, double* loss, int rows, int E, double
 }  // namespace
 
 EntropyReg::EntropyReg(int64_t layers, int64_t B, int64_t T, int64_t groups, int64_t E, int64_t R)
-    : B_(B), T_(T), groups_(groups), E_(E), R_(R), mean_(size_t(layers * B * groups * E)) {}
+    : B_(B), T_(T), groups_(groups), E_(E), R_(R), mean_(size_t(layers * B * groups * E)), coef_(size_t(layers), 0.0) {}
 
 void EntropyReg::clear(cudaStream_t stream) {
   MOEUT_CUDA_CHECK(cudaMemsetAsync(mean_.get(), 0, mean_.size() * sizeof(float), stream));
@@ -35,6 +35,7 @@ SoftmaxMeans EntropyReg::means(int64_t layer, float* lse) const {
 }
 
 void EntropyReg::finish(int64_t layer, double coef, double* loss, cudaStream_t stream) {
+  coef_.at(size_t(layer)) = coef;
   const int64_t rows = B_ * groups_;
   if (rows == 0) return;
   entropy_terms<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(mean(layer), loss, int(rows), int(E_),
@@ -42,8 +43,8 @@ void EntropyReg::finish(int64_t layer, double coef, double* loss, cudaStream_t s
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-SoftmaxGrad EntropyReg::gradient(int64_t layer, const float* z, const float* lse, double coef) const {
-  return {z, lse, mean(layer), T_, float(coef / double(B_ * groups_) / double(T_ * R_))};
+SoftmaxGrad EntropyReg::gradient(int64_t layer, const float* z, const float* lse) const {
+  return {z, lse, mean(layer), T_, float(coef_.at(size_t(layer)) / double(B_ * groups_) / double(T_ * R_))};
 }
 
 }  // namespace moeut::cuda

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/device_buffer.h"
 #include "kernels/routing_cuda.h"
@@ -24,16 +25,17 @@ class EntropyReg {
   // receives the use's row log-sum-exps, which its gradient needs.
   SoftmaxMeans means(int64_t layer, float* lse) const;
   // After the layer's R uses: *loss (device double) += coef · mean_{b,g} of -entropy(m), and the
-  // means become log m + 1, the weights of its gradient.
+  // means become log m + 1, the weights of its gradient. The layer keeps coef for gradient().
   void finish(int64_t layer, double coef, double* loss, cudaStream_t stream);
-  // The gradient of what finish added, for the use whose logits are z [B, T, groups * E] (lse:
-  // what means() had written for it).
-  SoftmaxGrad gradient(int64_t layer, const float* z, const float* lse, double coef) const;
+  // The gradient of what the layer's last finish() added, for the use whose logits are
+  // z [B, T, groups * E] (lse: what means() had written for it).
+  SoftmaxGrad gradient(int64_t layer, const float* z, const float* lse) const;
 
  private:
   float* mean(int64_t layer) const { return mean_.get() + layer * B_ * groups_ * E_; }
   int64_t B_, T_, groups_, E_, R_;
   DeviceBuffer<float> mean_;  // [layers, B, groups, E]: the mean distribution m, then log m + 1
+  std::vector<double> coef_;  // per layer, as finish() last had it
 };
 
 }  // namespace moeut::cuda

@@ -255,7 +255,7 @@ TEST_F(GpuTest, EntropyRegulariserOnTheRoutingKernelsMatchesTheCpuReference) {
         const DeviceBuffer<float> gdw(dw);
         DeviceBuffer<bf16> gdz(to_bf16(std::vector<float>(size_t(n * ld), 7.f)));
         const float* logits = c.pad ? gpacked[r].get() : gz[r].get();
-        cuda::topk_sigmoid_backward(gdz.get(), ld, reg.gradient(1, logits, glse[r].get(), c.coef), gdw.get(), gidx[r].get(), gw[r].get(),
+        cuda::topk_sigmoid_backward(gdz.get(), ld, reg.gradient(1, logits, glse[r].get()), gdw.get(), gidx[r].get(), gw[r].get(),
                                     n, c.groups, c.E, c.k, 0);
         const std::vector<float> got = to_float(gdz.download());
         std::vector<float> rows;
