@@ -154,10 +154,13 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
     const std::string p = layer_prefix(g);
     for (const auto& [name, out] : {std::pair{p + "ffn.expert_sel", cfg_.ff_n_experts}, {p + "attention.sel_v", 2 * he}})
       if (router_ld(out) != out) padded.emplace_back(name, out);
-    // q/k and the two routers are stacked by one copy each (see copy_weights)
-    if (layout_.at(p + "attention.k.weight").offset != layout_.at(p + "attention.q.weight").offset + hd * d ||
-        layout_.at(p + "attention.sel_o").offset != layout_.at(p + "attention.sel_v").offset + he * d)
-      throw std::logic_error("GpuModel: attention q/k and router weights are expected adjacent in the layout");
+    // q, k and the two routers are stacked by one copy (see copy_weights), and their weight
+    // gradient is one product.
+    const int64_t q = layout_.at(p + "attention.q.weight").offset;
+    if (layout_.at(p + "attention.k.weight").offset != q + hd * d ||
+        layout_.at(p + "attention.sel_v").offset != q + 2 * hd * d ||
+        layout_.at(p + "attention.sel_o").offset != q + (2 * hd + he) * d)
+      throw std::logic_error("GpuModel: attention q, k and router weights are expected adjacent in the layout");
   }
   padded_routers_ = DeviceBuffer<bf16>(size_t(padded.size() * router_rows * d));
   MOEUT_CUDA_CHECK(cudaMemset(padded_routers_.get(), 0, padded_routers_.size() * sizeof(bf16)));
@@ -263,11 +266,8 @@ void GpuModel::copy_weights(bool training) {
   const int64_t hd = cfg_.n_heads * cfg_.d_head, he = cfg_.n_heads * cfg_.att_n_experts;
   for (int64_t g = 0; g < cfg_.group_size; ++g) {
     const std::string p = layer_prefix(g);
-    bf16* const stacked = attn_in_weights_.get() + g * attn_in_ld_ * d;
-    MOEUT_CUDA_CHECK(cudaMemcpyAsync(stacked, wparam(p + "attention.q.weight"), size_t(2 * hd * d) * sizeof(bf16),
-                                     cudaMemcpyDeviceToDevice, stream_));
-    MOEUT_CUDA_CHECK(cudaMemcpyAsync(stacked + 2 * hd * d, wparam(p + "attention.sel_v"), size_t(2 * he * d) * sizeof(bf16),
-                                     cudaMemcpyDeviceToDevice, stream_));
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(attn_in_weights_.get() + g * attn_in_ld_ * d, wparam(p + "attention.q.weight"),
+                                     size_t((2 * hd + 2 * he) * d) * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
   }
 }
 
@@ -713,10 +713,9 @@ void GpuModel::attention_backward(int64_t l) {
   cuda::cvmm_weight_grad(L.plan_v.view(), {xb_.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
                                             H * Ea}, side_->get());
   mark(Part::kDense);
-  // Weight gradients: q and k are adjacent in the layout, as are the two routers (checked at
-  // construction), so each pair is one product.
-  dense_weight_grad(dq, attn_in_ld_, xn_.get(), gparam(p + "attention.q.weight"), N, 2 * hd);
-  dense_weight_grad(dz_v, attn_in_ld_, xn_.get(), gparam(p + "attention.sel_v"), N, 2 * H * Ea);
+  // The weight gradients: q, k and the two routers are adjacent in the layout (checked at
+  // construction), so one product.
+  dense_weight_grad(dq, attn_in_ld_, xn_.get(), gparam(p + "attention.q.weight"), N, 2 * hd + 2 * H * Ea);
 }
 
 }  // namespace moeut

@@ -29,12 +29,14 @@ ParamLayout::ParamLayout(const ModelConfig& m, ExpertShard shard) : shard_(shard
     add(p + "ln1.bias", {d});
     add(p + "ln2.weight", {d});
     add(p + "ln2.bias", {d});
+    // The four products that read LN1's output, adjacent: the GPU path takes their weight
+    // gradient as one product.
     add(p + "attention.q.weight", {hd, d});
     add(p + "attention.k.weight", {hd, d});
-    add(p + "attention.v", {he, d, m.d_head});
-    add(p + "attention.o", {he, m.d_head, d});
     add(p + "attention.sel_v", {he, d});
     add(p + "attention.sel_o", {he, d});
+    add(p + "attention.v", {he, d, m.d_head});
+    add(p + "attention.o", {he, m.d_head, d});
     add(p + "ffn.expert_sel", {E, d});
   }
   add("out_norm.weight", {d});
