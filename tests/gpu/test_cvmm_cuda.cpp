@@ -334,6 +334,29 @@ TEST_F(GpuTest, ScatterPhaseClockCountsEveryItem) {
   for (const uint32_t c : plan.tail_counters.download()) EXPECT_EQ(c, 0u) << "tail counters left for the next launch";
 }
 
+// The routing-weight gradient's dots at 44M's d_head (82, rows not 16-byte multiples) and at
+// 128, with selections left out (index -1, dot 0).
+TEST_F(GpuTest, SelectionDotsMatchAtEveryRowWidth) {
+  Rng rng{21};
+  for (const int64_t N : {int64_t(82), int64_t(128)}) {
+    SCOPED_TRACE("N " + std::to_string(N));
+    const int64_t dot_rows = 37, per_row = 3, sels = dot_rows * per_row;
+    const auto rows = random_bf16_values(size_t(sels * N), rng, 1.0), D = random_bf16_values(size_t(dot_rows * N), rng, 1.0);
+    std::vector<int32_t> index(static_cast<size_t>(sels));
+    std::vector<float> ref(size_t(sels), 0.f);
+    for (int64_t i = 0; i < sels; ++i) {
+      index[size_t(i)] = i % 5 == 0 ? -1 : int32_t(i % 7);
+      if (index[size_t(i)] >= 0)
+        for (int64_t c = 0; c < N; ++c) ref[size_t(i)] += D[size_t((i / per_row) * N + c)] * rows[size_t(i * N + c)];
+    }
+    const DeviceBuffer<bf16> grows(to_bf16(rows)), gD(to_bf16(D));
+    const DeviceBuffer<int32_t> gindex(index);
+    DeviceBuffer<float> dots(std::vector<float>(size_t(sels), NAN));
+    cuda::cvmm_selection_dots(dots.get(), grows.get(), gD.get(), gindex.get(), sels, per_row, N, 0);
+    EXPECT_LE(rel_error(dots.download(), ref), 1e-4);
+  }
+}
+
 // Expert parallelism hands the planner selections whose expert lives on another rank (index
 // -1): the device-built plan must leave exactly those out, and compute the rest as the reference.
 // The FFN's hidden rows are written at the selections' positions in expert order, so the live
