@@ -192,7 +192,6 @@ class GpuModel {
   // gradients that follow it, instead of keeping one per layer.
   cuda::DeviceBuffer<bf16> xn_;
   cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_;
-  cuda::DeviceBuffer<bf16> v_;  // the layer's values [N, H·dh], summed from its value experts' rows
   // The raw residual entering the layer in bf16, which the value experts read: written by LN1's
   // forward, and again by LN1's backward (from the kept fp32 one) for their weight gradient.
   cuda::DeviceBuffer<bf16> xb_;
