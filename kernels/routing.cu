@@ -22,19 +22,19 @@ __device__ __forceinline__ float key_logit(uint32_t key) {
 }
 __device__ __forceinline__ float key_sigmoid(uint32_t key) { return 1.f / (1.f + __expf(-key_logit(key))); }
 
-// The keys of a warp's row: lane holds experts lane, lane + 32, ... (P >= E / 32 slots); bit q
-// of the result marks slot q past E. The row's logits are copied to `packed` when given, after
-// all of them are loaded (interleaved, each load waited for the store before it, which may alias:
-// the FFN top-k took 73 µs a call for its 37 MB, docs/PERFORMANCE.md v28).
-template <int P>
-__device__ __forceinline__ uint32_t load_keys(uint32_t (&key)[P], const float* z, float* packed, int lane, int E) {
+// The keys of a row held by L lanes: lane `sub` of them holds experts sub, sub + L, ... (P >= E / L
+// slots); bit q of the result marks slot q past E. The row's logits are copied to `packed` when
+// given, after all of them are loaded (interleaved, each load waited for the store before it,
+// which may alias: the FFN top-k took 73 µs a call for its 37 MB, docs/PERFORMANCE.md v28).
+template <int P, int L>
+__device__ __forceinline__ uint32_t load_keys(uint32_t (&key)[P], const float* z, float* packed, int sub, int E) {
   float v[P];
 #pragma unroll
-  for (int q = 0; q < P; ++q) v[q] = lane + 32 * q < E ? z[lane + 32 * q] : 0.f;
+  for (int q = 0; q < P; ++q) v[q] = sub + L * q < E ? z[sub + L * q] : 0.f;
   uint32_t dead = 0;
 #pragma unroll
   for (int q = 0; q < P; ++q) {
-    const int e = lane + 32 * q;
+    const int e = sub + L * q;
     const bool live = e < E;
     if (live && packed) packed[e] = v[q];
     key[q] = live ? order_key(v[q]) : 0u;
@@ -51,44 +51,70 @@ __device__ __forceinline__ const float* row_logits(const float* logits, int64_t 
   return logits + int64_t(token) * ld + int64_t(uint32_t(r) - token * uint32_t(groups)) * E;
 }
 
-// A block's rows: kWarps consecutive tokens of one sequence b and one group g, a warp each, so
-// that they share one row (b, g) of the regulariser's means. Warps past the sequence's end are
-// not live (they still take part in the block's barriers).
+// A block's rows: kWarps · 32 / L consecutive tokens of one sequence b and one group g, L lanes
+// each, so that they share one row (b, g) of the regulariser's means. Rows past the sequence's end
+// are not live: their lanes redo its last row unwritten, taking part in the warp's shuffles and
+// the block's barriers.
 struct BlockRow {
-  int64_t r;         // the warp's row (token, g) of [n, groups]
+  int64_t r;         // the lanes' row (token, g) of [n, groups]
   int64_t mean_row;  // b * groups + g
   bool live;
 };
+template <int L>
 __device__ __forceinline__ BlockRow block_row(int64_t T, int groups) {
-  const int64_t chunks = (T + kWarps - 1) / kWarps, chunk = blockIdx.x % chunks, bg = blockIdx.x / chunks;
-  const int64_t b = bg / groups, t = chunk * kWarps + threadIdx.x / 32;
+  constexpr int kRows = kWarps * 32 / L;
+  const int64_t chunks = (T + kRows - 1) / kRows, chunk = blockIdx.x % chunks, bg = blockIdx.x / chunks;
+  const int64_t b = bg / groups, t = chunk * kRows + threadIdx.x / L;
   return {(b * T + min(t, T - 1)) * groups + bg % groups, bg, t < T};
 }
 
-// The regulariser's means: the row's softmax / S added into the block's shared sums, from the
-// keys (the logits' bits, -0 as +0). Returns the row's log-sum-exp.
-template <int P>
-__device__ __forceinline__ float add_softmax(float* sums, const uint32_t (&key)[P], uint32_t dead, int lane, float inv_S) {
+// Unsigned maximum and minimum over aligned groups of L lanes (one instruction for a whole warp).
+template <int L>
+__device__ __forceinline__ uint32_t group_max_u32(uint32_t v) {
+  if constexpr (L == 32) {
+    return __reduce_max_sync(0xffffffffu, v);
+  } else {
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
+}
+template <int L>
+__device__ __forceinline__ uint32_t group_min_u32(uint32_t v) {
+  if constexpr (L == 32) {
+    return __reduce_min_sync(0xffffffffu, v);
+  } else {
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
+}
+
+// The regulariser's means: the row's softmax / S added into the block's shared sums (when `live`),
+// from the keys (the logits' bits, -0 as +0). Returns the row's log-sum-exp.
+template <int P, int L>
+__device__ __forceinline__ float add_softmax(float* sums, const uint32_t (&key)[P], uint32_t dead, int sub, bool live,
+                                             float inv_S) {
   uint32_t top = 0;
 #pragma unroll
   for (int q = 0; q < P; ++q) top = dead >> q & 1u ? top : max(top, key[q]);
-  const float mx = key_logit(__reduce_max_sync(0xffffffffu, top));
+  const float mx = key_logit(group_max_u32<L>(top));
   float s = 0.f;
 #pragma unroll
   for (int q = 0; q < P; ++q) s += dead >> q & 1u ? 0.f : __expf(key_logit(key[q]) - mx);
-  const float lse = mx + __logf(warp_sum(s));
+  const float lse = mx + __logf(group_sum<L>(s));
 #pragma unroll
   for (int q = 0; q < P; ++q)
-    if (!(dead >> q & 1u)) atomicAdd(&sums[lane + 32 * q], __expf(key_logit(key[q]) - lse) * inv_S);
+    if (live && !(dead >> q & 1u)) atomicAdd(&sums[sub + L * q], __expf(key_logit(key[q]) - lse) * inv_S);
   return lse;
 }
 
 // Small k: each lane knows the best of its keys not yet taken; each of the k rounds takes the
-// warp's largest key (ties to the lower expert index) with two warp reductions, and only the lane
-// that gave it looks again.
-template <int P>
+// row's largest key (ties to the lower expert index) with two reductions over the row's L lanes,
+// and only the lane that gave it looks again.
+template <int P, int L>
 __device__ __forceinline__ void select_by_rounds(int32_t* index, float* weight, const uint32_t (&key)[P], uint32_t dead,
-                                                 int lane, int k) {
+                                                 int sub, bool live, int k) {
   uint32_t taken = dead;  // chosen, or past E
   uint32_t best = 0;
   int slot = -1;  // this lane's best untaken slot (the lower one on ties), -1 when none is left
@@ -102,17 +128,17 @@ __device__ __forceinline__ void select_by_rounds(int32_t* index, float* weight, 
   int mine = 0;  // lane j < k: the expert taken in round j, and its key
   uint32_t mine_key = 0;
   for (int j = 0; j < k; ++j) {
-    const uint32_t top = __reduce_max_sync(0xffffffffu, slot >= 0 ? best : 0u);
-    const int winner = int(__reduce_min_sync(0xffffffffu, slot >= 0 && best == top ? unsigned(lane + 32 * slot) : ~0u));
-    if (lane == j) mine = winner, mine_key = top;
-    if (lane == winner % 32) {
+    const uint32_t top = group_max_u32<L>(slot >= 0 ? best : 0u);
+    const int winner = int(group_min_u32<L>(slot >= 0 && best == top ? unsigned(sub + L * slot) : ~0u));
+    if (sub == j) mine = winner, mine_key = top;
+    if (sub == winner % L) {
       taken |= 1u << slot;
       look();
     }
   }
-  if (lane < k) {
-    index[lane] = mine;
-    weight[lane] = key_sigmoid(mine_key);
+  if (live && sub < k) {
+    index[sub] = mine;
+    weight[sub] = key_sigmoid(mine_key);
   }
 }
 
@@ -181,33 +207,42 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
   }
 }
 
-// One warp per (row, group), blocks as block_row lays them out; with means.mean, the block's
-// rows' softmax summed in shared memory ([E] floats, dynamic) and then added to its mean row.
-template <int P, bool kSearch>
+// L lanes per (row, group) (the search: a whole warp), blocks as block_row lays them out; with
+// means.mean, the block's rows' softmax summed in shared memory ([E] floats, dynamic) and then
+// added to its mean row. Attention's 12 experts take 16 lanes, so a warp does two rows: with a
+// warp a row, 20 of its lanes idled, and the regulariser's softmax made that top-k 26 → 45 µs
+// a call at 1B (docs/PERFORMANCE.md v40).
+template <int P, int L, bool kSearch>
 __global__ void __launch_bounds__(kWarps * 32) topk_kernel(int32_t* index, float* weight, const float* logits,
                                                            float* packed, int groups, int64_t ld, int E, int k,
                                                            SoftmaxMeans means) {
+  static_assert(!kSearch || L == 32, "the search takes a warp a row");
   extern __shared__ float sums[];
   __shared__ uint32_t chosen_key[kSearch ? kWarps : 1][32];
   __shared__ int chosen_expert[kSearch ? kWarps : 1][32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, sub = lane % L, warp = threadIdx.x / 32;
   if (means.mean) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) sums[e] = 0.f;
     __syncthreads();
   }
-  const BlockRow row = block_row(means.T, groups);
-  if (row.live) {
+  const BlockRow row = block_row<L>(means.T, groups);
+  // A warp a row: a dead row is a dead warp, which skips it. Several rows a warp: each group's
+  // lanes take part in the warp's shuffles, and write only for a live row. (Keeping the first
+  // form for L = 32 holds the FFN's top-k at 64 registers instead of 80: PERFORMANCE.md v40.)
+  const bool live = L == 32 || row.live;
+  if (L < 32 || row.live) {
     const int64_t r = row.r;
     uint32_t key[P];
-    const uint32_t dead = load_keys(key, row_logits(logits, r, groups, ld, E), packed ? packed + r * E : nullptr, lane, E);
+    const uint32_t dead =
+        load_keys<P, L>(key, row_logits(logits, r, groups, ld, E), packed && live ? packed + r * E : nullptr, sub, E);
     if (means.mean) {
-      const float lse = add_softmax(sums, key, dead, lane, means.inv_S);
-      if (lane == 0) means.lse[r] = lse;
+      const float lse = add_softmax<P, L>(sums, key, dead, sub, live, means.inv_S);
+      if (sub == 0 && live) means.lse[r] = lse;
     }
     if constexpr (kSearch)
       select_by_search(index + r * k, weight + r * k, key, dead, lane, k, chosen_key[warp], chosen_expert[warp]);
     else
-      select_by_rounds(index + r * k, weight + r * k, key, dead, lane, k);
+      select_by_rounds<P, L>(index + r * k, weight + r * k, key, dead, sub, live, k);
   }
   if (means.mean) {
     __syncthreads();
@@ -279,19 +314,27 @@ void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, in
     throw std::invalid_argument("topk_sigmoid_forward: the means need their lse and n a multiple of their T");
   SoftmaxMeans at = means;
   if (!at.mean) at.T = n;  // the blocks' layout takes one sequence then
-  const int64_t blocks = n / at.T * groups * ((at.T + kWarps - 1) / kWarps);
   const size_t shared = at.mean ? size_t(E) * sizeof(float) : 0;
+  auto launch = [&](auto kernel, int lanes) {
+    const int64_t rows_per_block = kWarps * 32 / lanes;
+    const int64_t blocks = n / at.T * groups * ((at.T + rows_per_block - 1) / rows_per_block);
+    kernel<<<unsigned(blocks), kWarps * 32, shared, stream>>>(index, weight, logits, packed, int(groups), ld, int(E),
+                                                               int(k), at);
+  };
   // P: the logits a lane holds, at or above E / 32. Rounds cost k passes over a lane's P keys,
   // the search one per bit it needs: rounds for k up to 4 (attention's k 2: 0.022 against 0.050
   // ms for a full 32-bit search at 1B, PERFORMANCE.md v12), the search above (FFN k 24: 0.091
-  // against 0.107 ms, v20).
+  // against 0.107 ms, v20). Rows of up to 16 experts take a lane each of a group of 4, 8 or 16.
+  // (P 18 for the FFN's 565 experts, instead of 20, took 78 registers instead of 64 and ran 88
+  // µs a call instead of 78: PERFORMANCE.md v40.)
   with_ceiling<1, 2, 4, 8, 12, 16, 20, 24, 28, kMaxPerLane>((E + 31) / 32, [&](auto P) {
-    if (k <= 4)
-      topk_kernel<P, false><<<unsigned(blocks), kWarps * 32, shared, stream>>>(index, weight, logits, packed,
-                                                                                 int(groups), ld, int(E), int(k), at);
-    else
-      topk_kernel<P, true><<<unsigned(blocks), kWarps * 32, shared, stream>>>(index, weight, logits, packed,
-                                                                                int(groups), ld, int(E), int(k), at);
+    if (k > 4) {
+      launch(topk_kernel<P, 32, true>, 32);
+    } else if constexpr (P == 1) {
+      with_ceiling<4, 8, 16, 32>(E, [&](auto L) { launch(topk_kernel<1, L, false>, L); });
+    } else {
+      launch(topk_kernel<P, 32, false>, 32);
+    }
   });
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
