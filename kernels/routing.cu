@@ -68,24 +68,18 @@ __device__ __forceinline__ BlockRow block_row(int64_t T, int groups) {
   return {(b * T + min(t, T - 1)) * groups + bg % groups, bg, t < T};
 }
 
-// Unsigned maximum and minimum over aligned groups of L lanes (one instruction for a whole warp).
-template <int L>
-__device__ __forceinline__ uint32_t group_max_u32(uint32_t v) {
+// Unsigned maximum (kMax) or minimum over aligned groups of L lanes (one instruction for a whole
+// warp).
+template <int L, bool kMax>
+__device__ __forceinline__ uint32_t group_extreme_u32(uint32_t v) {
   if constexpr (L == 32) {
-    return __reduce_max_sync(0xffffffffu, v);
+    return kMax ? __reduce_max_sync(0xffffffffu, v) : __reduce_min_sync(0xffffffffu, v);
   } else {
 #pragma unroll
-    for (int o = L / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-  }
-}
-template <int L>
-__device__ __forceinline__ uint32_t group_min_u32(uint32_t v) {
-  if constexpr (L == 32) {
-    return __reduce_min_sync(0xffffffffu, v);
-  } else {
-#pragma unroll
-    for (int o = L / 2; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = L / 2; o > 0; o >>= 1) {
+      const uint32_t other = __shfl_xor_sync(0xffffffffu, v, o);
+      v = kMax ? max(v, other) : min(v, other);
+    }
     return v;
   }
 }
@@ -98,7 +92,7 @@ __device__ __forceinline__ float add_softmax(float* sums, const uint32_t (&key)[
   uint32_t top = 0;
 #pragma unroll
   for (int q = 0; q < P; ++q) top = dead >> q & 1u ? top : max(top, key[q]);
-  const float mx = key_logit(group_max_u32<L>(top));
+  const float mx = key_logit(group_extreme_u32<L, true>(top));
   float s = 0.f;
 #pragma unroll
   for (int q = 0; q < P; ++q) s += dead >> q & 1u ? 0.f : __expf(key_logit(key[q]) - mx);
@@ -128,8 +122,8 @@ __device__ __forceinline__ void select_by_rounds(int32_t* index, float* weight, 
   int mine = 0;  // lane j < k: the expert taken in round j, and its key
   uint32_t mine_key = 0;
   for (int j = 0; j < k; ++j) {
-    const uint32_t top = group_max_u32<L>(slot >= 0 ? best : 0u);
-    const int winner = int(group_min_u32<L>(slot >= 0 && best == top ? unsigned(sub + L * slot) : ~0u));
+    const uint32_t top = group_extreme_u32<L, true>(slot >= 0 ? best : 0u);
+    const int winner = int(group_extreme_u32<L, false>(slot >= 0 && best == top ? unsigned(sub + L * slot) : ~0u));
     if (sub == j) mine = winner, mine_key = top;
     if (sub == winner % L) {
       taken |= 1u << slot;
