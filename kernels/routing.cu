@@ -1,4 +1,5 @@
 #include <stdexcept>
+#include <type_traits>
 
 #include "kernels/cuda_check.h"
 #include "kernels/lane_reduce.cuh"
@@ -60,9 +61,10 @@ struct BlockRow {
   int64_t mean_row;  // b * groups + g
   bool live;
 };
+__host__ __device__ constexpr int rows_per_block(int L) { return kWarps * 32 / L; }
 template <int L>
 __device__ __forceinline__ BlockRow block_row(int64_t T, int groups) {
-  constexpr int kRows = kWarps * 32 / L;
+  constexpr int kRows = rows_per_block(L);
   const int64_t chunks = (T + kRows - 1) / kRows, chunk = blockIdx.x % chunks, bg = blockIdx.x / chunks;
   const int64_t b = bg / groups, t = chunk * kRows + threadIdx.x / L;
   return {(b * T + min(t, T - 1)) * groups + bg % groups, bg, t < T};
@@ -309,12 +311,6 @@ void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, in
   SoftmaxMeans at = means;
   if (!at.mean) at.T = n;  // the blocks' layout takes one sequence then
   const size_t shared = at.mean ? size_t(E) * sizeof(float) : 0;
-  auto launch = [&](auto kernel, int lanes) {
-    const int64_t rows_per_block = kWarps * 32 / lanes;
-    const int64_t blocks = n / at.T * groups * ((at.T + rows_per_block - 1) / rows_per_block);
-    kernel<<<unsigned(blocks), kWarps * 32, shared, stream>>>(index, weight, logits, packed, int(groups), ld, int(E),
-                                                               int(k), at);
-  };
   // P: the logits a lane holds, at or above E / 32. Rounds cost k passes over a lane's P keys,
   // the search one per bit it needs: rounds for k up to 4 (attention's k 2: 0.022 against 0.050
   // ms for a full 32-bit search at 1B, PERFORMANCE.md v12), the search above (FFN k 24: 0.091
@@ -322,12 +318,19 @@ void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, in
   // (P 18 for the FFN's 565 experts, instead of 20, took 78 registers instead of 64 and ran 88
   // µs a call instead of 78: PERFORMANCE.md v40.)
   with_ceiling<1, 2, 4, 8, 12, 16, 20, 24, 28, kMaxPerLane>((E + 31) / 32, [&](auto P) {
+    // topk_kernel<P, L, search> on the grid that block_row<L> lays out.
+    auto launch = [&](auto L, auto search) {
+      const int64_t rows = rows_per_block(L), blocks = n / at.T * groups * ((at.T + rows - 1) / rows);
+      topk_kernel<P, L, search><<<unsigned(blocks), kWarps * 32, shared, stream>>>(
+          index, weight, logits, packed, int(groups), ld, int(E), int(k), at);
+    };
+    constexpr std::integral_constant<int, 32> kWarpRow;
     if (k > 4) {
-      launch(topk_kernel<P, 32, true>, 32);
+      launch(kWarpRow, std::true_type{});
     } else if constexpr (P == 1) {
-      with_ceiling<4, 8, 16, 32>(E, [&](auto L) { launch(topk_kernel<1, L, false>, L); });
+      with_ceiling<4, 8, 16, 32>(E, [&](auto L) { launch(L, std::false_type{}); });
     } else {
-      launch(topk_kernel<P, 32, false>, 32);
+      launch(kWarpRow, std::false_type{});
     }
   });
   MOEUT_CUDA_CHECK(cudaGetLastError());
