@@ -6,6 +6,7 @@
 #include "kernels/attention_cuda.h"
 #include "kernels/cast_cuda.h"
 #include "kernels/cuda_check.h"
+#include "kernels/fast_exp.cuh"
 #include "kernels/with_ceiling.h"
 #include "kernels/lane_reduce.cuh"
 #include "kernels/named_barrier.cuh"
@@ -87,19 +88,11 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// 2^x by the SFU alone (exp2f adds range handling around it; results below 2^-126 flush to 0,
-// which a probability that small may).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-constexpr float kLog2e = 1.4426950408889634f;
 
 // One key tile's step of a flash forward's online softmax for a thread's two query rows, a and b.
 // s holds the tile's kS scores and o the kO output accumulators as mma accumulators hold them, in

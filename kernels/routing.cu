@@ -2,6 +2,7 @@
 #include <type_traits>
 
 #include "kernels/cuda_check.h"
+#include "kernels/fast_exp.cuh"
 #include "kernels/lane_reduce.cuh"
 #include "kernels/routing_cuda.h"
 #include "kernels/with_ceiling.h"
@@ -86,23 +87,27 @@ __device__ __forceinline__ uint32_t group_extreme_u32(uint32_t v) {
   }
 }
 
-// The regulariser's means: the row's softmax / S added into the block's shared sums (when `live`),
-// from the keys (the logits' bits, -0 as +0). Returns the row's log-sum-exp.
+// The regulariser's softmax of a row, from the keys (the logits' bits, -0 as +0): exp(z - max) into
+// the row's P·L floats of shared memory (slot q of lane sub at sub + L·q; dead slots hold garbage),
+// their sum into `sum`. Returns the row's log-sum-exp. Each exponential is made once and stored
+// without a test: the means are sums of these rows times 1 / (S·sum) (topk_kernel), not atomics
+// into one row, which made this 1,200 instructions a row of the FFN (PERFORMANCE.md v41).
 template <int P, int L>
-__device__ __forceinline__ float add_softmax(float* sums, const uint32_t (&key)[P], uint32_t dead, int sub, bool live,
-                                             float inv_S) {
-  uint32_t top = 0;
+__device__ __forceinline__ float row_exponentials(float* exps, float& sum, const uint32_t (&key)[P], uint32_t dead,
+                                                  int sub) {
+  uint32_t top = 0;  // a dead slot's key 0 is below every live key (but NaN's, whose row is NaN anyway)
 #pragma unroll
-  for (int q = 0; q < P; ++q) top = dead >> q & 1u ? top : max(top, key[q]);
-  const float mx = key_logit(group_extreme_u32<L, true>(top));
+  for (int q = 0; q < P; ++q) top = max(top, key[q]);
+  const float mx = key_logit(group_extreme_u32<L, true>(top)), offset = mx * kLog2e;
   float s = 0.f;
 #pragma unroll
-  for (int q = 0; q < P; ++q) s += dead >> q & 1u ? 0.f : __expf(key_logit(key[q]) - mx);
-  const float lse = mx + __logf(group_sum<L>(s));
-#pragma unroll
-  for (int q = 0; q < P; ++q)
-    if (live && !(dead >> q & 1u)) atomicAdd(&sums[sub + L * q], __expf(key_logit(key[q]) - lse) * inv_S);
-  return lse;
+  for (int q = 0; q < P; ++q) {
+    const float e = fast_exp2(fmaf(key_logit(key[q]), kLog2e, -offset));
+    exps[sub + L * q] = e;
+    s += dead >> q & 1u ? 0.f : e;
+  }
+  sum = group_sum<L>(s);
+  return mx + __logf(sum);
 }
 
 // Small k: each lane knows the best of its keys not yet taken; each of the k rounds takes the
@@ -204,23 +209,22 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
 }
 
 // L lanes per (row, group) (the search: a whole warp), blocks as block_row lays them out; with
-// means.mean, the block's rows' softmax summed in shared memory ([E] floats, dynamic) and then
-// added to its mean row. Attention's 12 experts take 16 lanes, so a warp does two rows: with a
+// means.mean, each row's exponentials and their scale 1 / (S·sum) (0 for a row that is not live)
+// go to shared memory (softmax_shared), and after the block's barrier each column's scaled sum
+// over the rows is added to the block's mean row. Attention's 12 experts take 16 lanes, so a warp does two rows: with a
 // warp a row, 20 of its lanes idled, and the regulariser's softmax made that top-k 26 → 45 µs
 // a call at 1B (docs/PERFORMANCE.md v40).
 template <int P, int L, bool kSearch>
-__global__ void __launch_bounds__(kWarps * 32) topk_kernel(int32_t* index, float* weight, const float* logits,
+__global__ void __launch_bounds__(kWarps * 32, 4) topk_kernel(int32_t* index, float* weight, const float* logits,
                                                            float* packed, int groups, int64_t ld, int E, int k,
                                                            SoftmaxMeans means) {
   static_assert(!kSearch || L == 32, "the search takes a warp a row");
-  extern __shared__ float sums[];
+  constexpr int kRows = rows_per_block(L), kRowFloats = P * L;
+  extern __shared__ float exps[];  // [kRows][kRowFloats], then scale[kRows]
+  float* const scale = exps + kRows * kRowFloats;
   __shared__ uint32_t chosen_key[kSearch ? kWarps : 1][32];
   __shared__ int chosen_expert[kSearch ? kWarps : 1][32];
-  const int lane = threadIdx.x % 32, sub = lane % L, warp = threadIdx.x / 32;
-  if (means.mean) {
-    for (int e = threadIdx.x; e < E; e += blockDim.x) sums[e] = 0.f;
-    __syncthreads();
-  }
+  const int lane = threadIdx.x % 32, sub = lane % L, warp = threadIdx.x / 32, slot = threadIdx.x / L;
   const BlockRow row = block_row<L>(means.T, groups);
   // A warp a row: a dead row is a dead warp, which skips it. Several rows a warp: each group's
   // lanes take part in the warp's shuffles, and write only for a live row. (Keeping the first
@@ -232,17 +236,26 @@ __global__ void __launch_bounds__(kWarps * 32) topk_kernel(int32_t* index, float
     const uint32_t dead =
         load_keys<P, L>(key, row_logits(logits, r, groups, ld, E), packed && live ? packed + r * E : nullptr, sub, E);
     if (means.mean) {
-      const float lse = add_softmax<P, L>(sums, key, dead, sub, live, means.inv_S);
+      float sum;
+      const float lse = row_exponentials<P, L>(exps + slot * kRowFloats, sum, key, dead, sub);
+      if (sub == 0) scale[slot] = live ? means.inv_S / sum : 0.f;
       if (sub == 0 && live) means.lse[r] = lse;
     }
     if constexpr (kSearch)
       select_by_search(index + r * k, weight + r * k, key, dead, lane, k, chosen_key[warp], chosen_expert[warp]);
     else
       select_by_rounds<P, L>(index + r * k, weight + r * k, key, dead, sub, live, k);
+  } else if (means.mean && sub == 0) {
+    scale[slot] = 0.f;  // a dead warp's row, its exponentials never written
   }
   if (means.mean) {
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) atomicAdd(&means.mean[row.mean_row * E + e], sums[e]);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      float sum = 0.f;
+#pragma unroll 8
+      for (int j = 0; j < kRows; ++j) sum = scale[j] != 0.f ? fmaf(scale[j], exps[j * kRowFloats + e], sum) : sum;
+      atomicAdd(&means.mean[row.mean_row * E + e], sum);
+    }
   }
 }
 
@@ -310,7 +323,6 @@ void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, in
     throw std::invalid_argument("topk_sigmoid_forward: the means need their lse and n a multiple of their T");
   SoftmaxMeans at = means;
   if (!at.mean) at.T = n;  // the blocks' layout takes one sequence then
-  const size_t shared = at.mean ? size_t(E) * sizeof(float) : 0;
   // P: the logits a lane holds, at or above E / 32. Rounds cost k passes over a lane's P keys,
   // the search one per bit it needs: rounds for k up to 4 (attention's k 2: 0.022 against 0.050
   // ms for a full 32-bit search at 1B, PERFORMANCE.md v12), the search above (FFN k 24: 0.091
@@ -321,6 +333,7 @@ void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, in
     // topk_kernel<P, L, search> on the grid that block_row<L> lays out.
     auto launch = [&](auto L, auto search) {
       const int64_t rows = rows_per_block(L), blocks = n / at.T * groups * ((at.T + rows - 1) / rows);
+      const size_t shared = at.mean ? size_t(rows * (P * L + 1)) * sizeof(float) : 0;  // topk_kernel's exps, scale
       topk_kernel<P, L, search><<<unsigned(blocks), kWarps * 32, shared, stream>>>(
           index, weight, logits, packed, int(groups), ld, int(E), int(k), at);
     };
