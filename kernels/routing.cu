@@ -155,10 +155,16 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
   bool exact = false;   // exactly k keys are at or above prefix
   for (int b = 31; b >= 0; --b) {
     const uint32_t candidate = prefix | 1u << b;  // above 0, so no dead slot counts
-    int part[4] = {0, 0, 0, 0};  // four independent sums: a chain of P dependent additions is the loop's latency
+    // key + (2^32 - candidate) carries exactly when key >= candidate (> 0): the carries are added
+    // straight into the counts, two keys an instruction, with no predicate made into an integer.
+    // Two counts: a chain of P dependent additions is the loop's latency.
+    const uint32_t minus = 0u - candidate;
+    uint32_t part[2] = {0, 0};
 #pragma unroll
-    for (int q = 0; q < P; ++q) part[q % 4] += key[q] >= candidate;
-    int count = int(__reduce_add_sync(0xffffffffu, unsigned(part[0] + part[1] + part[2] + part[3])));
+    for (int q = 0; q < P; ++q)
+      asm("{\n .reg .u32 t;\n add.cc.u32 t, %1, %2;\n addc.u32 %0, %0, 0;\n}\n"
+          : "+r"(part[q % 2]) : "r"(key[q]), "r"(minus));
+    int count = int(__reduce_add_sync(0xffffffffu, part[0] + part[1]));
     if (count >= k) {
       prefix = candidate;
       if (count == k) {
