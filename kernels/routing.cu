@@ -216,10 +216,12 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
 
 // L lanes per (row, group) (the search: a whole warp), blocks as block_row lays them out; with
 // means.mean, each row's exponentials and their scale 1 / (S·sum) (0 for a row that is not live)
-// go to shared memory (softmax_shared), and after the block's barrier each column's scaled sum
-// over the rows is added to the block's mean row. Attention's 12 experts take 16 lanes, so a warp does two rows: with a
-// warp a row, 20 of its lanes idled, and the regulariser's softmax made that top-k 26 → 45 µs
-// a call at 1B (docs/PERFORMANCE.md v40).
+// go to dynamic shared memory, and after the block's barrier each column's scaled sum over the
+// rows is added to the block's mean row. Attention's 12 experts take 16 lanes, so a warp does two
+// rows: with a warp a row, 20 of its lanes idled, and the regulariser's softmax made that top-k
+// 26 → 45 µs a call at 1B (docs/PERFORMANCE.md v40). Four blocks an SM: the FFN's search would
+// take 80 registers (three blocks) for its stored exponentials; five (48 registers) ran slower
+// (v41).
 template <int P, int L, bool kSearch>
 __global__ void __launch_bounds__(kWarps * 32, 4) topk_kernel(int32_t* index, float* weight, const float* logits,
                                                            float* packed, int groups, int64_t ld, int E, int k,
