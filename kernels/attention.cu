@@ -93,7 +93,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-
 // One key tile's step of a flash forward's online softmax for a thread's two query rows, a and b.
 // s holds the tile's kS scores and o the kO output accumulators as mma accumulators hold them, in
 // groups of four (a, a, b, b). The scores become probabilities exp2((s − max)·log2 e) in place

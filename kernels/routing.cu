@@ -224,8 +224,8 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
 // (v41).
 template <int P, int L, bool kSearch>
 __global__ void __launch_bounds__(kWarps * 32, 4) topk_kernel(int32_t* index, float* weight, const float* logits,
-                                                           float* packed, int groups, int64_t ld, int E, int k,
-                                                           SoftmaxMeans means) {
+                                                              float* packed, int groups, int64_t ld, int E, int k,
+                                                              SoftmaxMeans means) {
   static_assert(!kSearch || L == 32, "the search takes a warp a row");
   constexpr int kRows = rows_per_block(L), kRowFloats = P * L;
   extern __shared__ float exps[];  // [kRows][kRowFloats], then scale[kRows]
