@@ -219,13 +219,14 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
 // go to dynamic shared memory, and after the block's barrier each column's scaled sum over the
 // rows is added to the block's mean row. Attention's 12 experts take 16 lanes, so a warp does two
 // rows: with a warp a row, 20 of its lanes idled, and the regulariser's softmax made that top-k
-// 26 → 45 µs a call at 1B (docs/PERFORMANCE.md v40). Four blocks an SM: the FFN's search would
-// take 80 registers (three blocks) for its stored exponentials; five (48 registers) ran slower
-// (v41).
+// 26 → 45 µs a call at 1B (docs/PERFORMANCE.md v40). Four blocks an SM up to 20 keys a lane (640
+// experts), which 64 registers hold without spilling: the FFN's search would take 80 registers
+// (three blocks) for its stored exponentials, and five blocks (48 registers) ran slower (v41).
+// Above that, the registers the kernel needs.
 template <int P, int L, bool kSearch>
-__global__ void __launch_bounds__(kWarps * 32, 4) topk_kernel(int32_t* index, float* weight, const float* logits,
-                                                              float* packed, int groups, int64_t ld, int E, int k,
-                                                              SoftmaxMeans means) {
+__global__ void __launch_bounds__(kWarps * 32, P <= 20 ? 4 : 1) topk_kernel(int32_t* index, float* weight, const float* logits,
+                                                                            float* packed, int groups, int64_t ld,
+                                                                            int E, int k, SoftmaxMeans means) {
   static_assert(!kSearch || L == 32, "the search takes a warp a row");
   constexpr int kRows = rows_per_block(L), kRowFloats = P * L;
   extern __shared__ float exps[];  // [kRows][kRowFloats], then scale[kRows]
