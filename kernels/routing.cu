@@ -71,22 +71,6 @@ __device__ __forceinline__ BlockRow block_row(int64_t T, int groups) {
   return {(b * T + min(t, T - 1)) * groups + bg % groups, bg, t < T};
 }
 
-// Unsigned maximum (kMax) or minimum over aligned groups of L lanes (one instruction for a whole
-// warp).
-template <int L, bool kMax>
-__device__ __forceinline__ uint32_t group_extreme_u32(uint32_t v) {
-  if constexpr (L == 32) {
-    return kMax ? __reduce_max_sync(0xffffffffu, v) : __reduce_min_sync(0xffffffffu, v);
-  } else {
-#pragma unroll
-    for (int o = L / 2; o > 0; o >>= 1) {
-      const uint32_t other = __shfl_xor_sync(0xffffffffu, v, o);
-      v = kMax ? max(v, other) : min(v, other);
-    }
-    return v;
-  }
-}
-
 // The regulariser's softmax of a row, from the keys (the logits' bits, -0 as +0): exp(z - max) into
 // the row's P·L floats of shared memory (slot q of lane sub at sub + L·q; dead slots hold garbage),
 // their sum into `sum`. Returns the row's log-sum-exp. Each exponential is made once and stored
