@@ -12,15 +12,23 @@ namespace {
 
 constexpr int kWarps = 8, kMaxPerLane = 32;  // E <= 32 * 32
 
-// Logits as unsigned keys in the same order (NaN lowest; -0 and +0 equal, as compared in fp32).
+// Logits as unsigned keys in the same order: the sign bit flipped for z >= 0, every bit for z < 0
+// (NaN lowest, as key 0; -0 + 0 is +0, so -0 and +0 are equal, as compared in fp32). Shifts and
+// logic instead of tests and selects: the top-k kernels are bound by the ALU pipe (v42).
 __device__ __forceinline__ uint32_t order_key(float z) {
-  const uint32_t u = z == 0.f ? 0u : __float_as_uint(z);
-  return isnan(z) ? 0u : (u & 0x80000000u) ? ~u : u | 0x80000000u;
+  const uint32_t u = __float_as_uint(__fadd_rn(z, 0.f));
+  return isnan(z) ? 0u : u ^ (uint32_t(int32_t(u) >> 31) | 0x80000000u);
 }
 // The logit of a key (NaN's key gives a NaN, zeros +0): the selection weights come from the keys
 // instead of a second read of the row.
 __device__ __forceinline__ float key_logit(uint32_t key) {
-  return __uint_as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
+  return __uint_as_float(key ^ (~uint32_t(int32_t(key) >> 31) | 0x80000000u));
+}
+// count += (key >= 2^32 - minus) (nothing for minus 0): key + minus carries exactly then, and the
+// carry is added straight into the count, with no predicate made into an integer (ptxas pairs two
+// keys an IADD3.X).
+__device__ __forceinline__ void count_carry(uint32_t& count, uint32_t key, uint32_t minus) {
+  asm("{\n .reg .u32 t;\n add.cc.u32 t, %1, %2;\n addc.u32 %0, %0, 0;\n}\n" : "+r"(count) : "r"(key), "r"(minus));
 }
 __device__ __forceinline__ float key_sigmoid(uint32_t key) { return 1.f / (1.f + __expf(-key_logit(key))); }
 
@@ -71,18 +79,15 @@ __device__ __forceinline__ BlockRow block_row(int64_t T, int groups) {
   return {(b * T + min(t, T - 1)) * groups + bg % groups, bg, t < T};
 }
 
-// The regulariser's softmax of a row, from the keys (the logits' bits, -0 as +0): exp(z - max) into
-// the row's P·L floats of shared memory (slot q of lane sub at sub + L·q; dead slots hold garbage),
-// their sum into `sum`. Returns the row's log-sum-exp. Each exponential is made once and stored
+// The regulariser's softmax of a row, from the keys (the logits' bits, -0 as +0) and the row's
+// largest key: exp(z - max) into the row's P·L floats of shared memory (slot q of lane sub at
+// sub + L·q; dead slots hold garbage), their sum into `sum`. Returns the row's log-sum-exp. Each exponential is made once and stored
 // without a test: the means are sums of these rows times 1 / (S·sum) (topk_kernel), not atomics
 // into one row, which made this 1,200 instructions a row of the FFN (PERFORMANCE.md v41).
 template <int P, int L>
 __device__ __forceinline__ float row_exponentials(float* exps, float& sum, const uint32_t (&key)[P], uint32_t dead,
-                                                  int sub) {
-  uint32_t top = 0;  // a dead slot's key 0 is below every live key (but NaN's, whose row is NaN anyway)
-#pragma unroll
-  for (int q = 0; q < P; ++q) top = max(top, key[q]);
-  const float mx = key_logit(group_extreme_u32<L, true>(top)), offset = mx * kLog2e;
+                                                  uint32_t row_top, int sub) {
+  const float mx = key_logit(row_top), offset = mx * kLog2e;
   float s = 0.f;
 #pragma unroll
   for (int q = 0; q < P; ++q) {
@@ -134,20 +139,22 @@ __device__ __forceinline__ void select_by_rounds(int32_t* index, float* weight, 
 // then ranked (descending key, ties to the lower index) through the warp's shared slots.
 template <int P>
 __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, const uint32_t (&key)[P], uint32_t dead,
-                                                 int lane, int k, uint32_t* chosen_key, int* chosen_expert) {
-  uint32_t prefix = 0;  // the k-th largest key, as far as its bits are known
-  bool exact = false;   // exactly k keys are at or above prefix
-  for (int b = 31; b >= 0; --b) {
+                                                 uint32_t lane_top, uint32_t row_top, int lane, int k,
+                                                 uint32_t* chosen_key, int* chosen_expert) {
+  // The k-th largest key lies between the lowest of the lanes' largest keys (each lane holds one at
+  // or above it, so at least 32 >= k keys are) and the row's largest, so it shares their leading
+  // bits, and the search starts below them.
+  const uint32_t low = group_extreme_u32<32, false>(lane_top);
+  const int known = __clz(int(row_top ^ low));  // 32 when they are equal
+  uint32_t prefix = known == 32 ? row_top : row_top & ~(0xffffffffu >> known);  // the k-th largest key's known bits
+  bool exact = false;  // exactly k keys are at or above prefix
+  for (int b = 31 - known; b >= 0; --b) {
     const uint32_t candidate = prefix | 1u << b;  // above 0, so no dead slot counts
-    // key + (2^32 - candidate) carries exactly when key >= candidate (> 0): the carries are added
-    // straight into the counts, two keys an instruction, with no predicate made into an integer.
     // Two counts: a chain of P dependent additions is the loop's latency.
     const uint32_t minus = 0u - candidate;
     uint32_t part[2] = {0, 0};
 #pragma unroll
-    for (int q = 0; q < P; ++q)
-      asm("{\n .reg .u32 t;\n add.cc.u32 t, %1, %2;\n addc.u32 %0, %0, 0;\n}\n"
-          : "+r"(part[q % 2]) : "r"(key[q]), "r"(minus));
+    for (int q = 0; q < P; ++q) count_carry(part[q % 2], key[q], minus);
     int count = int(__reduce_add_sync(0xffffffffu, part[0] + part[1]));
     if (count >= k) {
       prefix = candidate;
@@ -183,17 +190,28 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
     }
     filled += __popc(mask);
   }
+  if (lane >= k) chosen_key[lane] = 0;  // below every chosen key: the counts below read 4 at a time
   __syncwarp();
+  // Each of the k ranks its key: the chosen keys above it (counted from carries, 2^32 - (mine + 1)
+  // being ~mine), then, only if two of them are equal (the ranks then do not add up to k(k-1)/2),
+  // the keys equal to it at a lower position, which is a lower expert: the compaction above was
+  // slot-major. One comparison a key instead of a lexicographic one: the kernel is bound by the
+  // ALU pipe (PERFORMANCE.md v42).
+  const uint32_t mine = chosen_key[lane];
+  uint32_t above[2] = {0, 0};
+  for (int i = 0; i < k; i += 4) {
+    const uint4 other = *reinterpret_cast<const uint4*>(chosen_key + i);
+    count_carry(above[0], other.x, ~mine);
+    count_carry(above[1], other.y, ~mine);
+    count_carry(above[0], other.z, ~mine);
+    count_carry(above[1], other.w, ~mine);
+  }
+  int rank = int(above[0] + above[1]);
+  if (int(__reduce_add_sync(0xffffffffu, lane < k ? unsigned(rank) : 0u)) != k * (k - 1) / 2)
+#pragma unroll 1
+    for (int i = 0; i < min(lane, k); ++i) rank += chosen_key[i] == mine;
   if (lane < k) {
-    const uint32_t mine = chosen_key[lane];
-    const int expert = chosen_expert[lane];
-    int rank = 0;
-#pragma unroll 8
-    for (int i = 0; i < k; ++i) {  // unrolled, so that the shared-memory loads overlap
-      const uint32_t other = chosen_key[i];
-      rank += other > mine || (other == mine && chosen_expert[i] < expert);
-    }
-    index[rank] = expert;
+    index[rank] = chosen_expert[lane];
     weight[rank] = key_sigmoid(mine);
   }
 }
@@ -215,7 +233,7 @@ __global__ void __launch_bounds__(kWarps * 32, P <= 20 ? 4 : 1) topk_kernel(int3
   constexpr int kRows = rows_per_block(L), kRowFloats = P * L;
   extern __shared__ float exps[];  // [kRows][kRowFloats], then scale[kRows]
   float* const scale = exps + kRows * kRowFloats;
-  __shared__ uint32_t chosen_key[kSearch ? kWarps : 1][32];
+  __shared__ alignas(16) uint32_t chosen_key[kSearch ? kWarps : 1][32];
   __shared__ int chosen_expert[kSearch ? kWarps : 1][32];
   const int lane = threadIdx.x % 32, sub = lane % L, warp = threadIdx.x / 32, slot = threadIdx.x / L;
   const BlockRow row = block_row<L>(means.T, groups);
@@ -228,14 +246,19 @@ __global__ void __launch_bounds__(kWarps * 32, P <= 20 ? 4 : 1) topk_kernel(int3
     uint32_t key[P];
     const uint32_t dead =
         load_keys<P, L>(key, row_logits(logits, r, groups, ld, E), packed && live ? packed + r * E : nullptr, sub, E);
+    uint32_t lane_top = 0;  // a dead slot's key 0 is below every live key (but NaN's, whose row is NaN anyway)
+#pragma unroll
+    for (int q = 0; q < P; ++q) lane_top = max(lane_top, key[q]);
+    const uint32_t row_top = group_extreme_u32<L, true>(lane_top);
     if (means.mean) {
       float sum;
-      const float lse = row_exponentials<P, L>(exps + slot * kRowFloats, sum, key, dead, sub);
+      const float lse = row_exponentials<P, L>(exps + slot * kRowFloats, sum, key, dead, row_top, sub);
       if (sub == 0) scale[slot] = live ? means.inv_S / sum : 0.f;
       if (sub == 0 && live) means.lse[r] = lse;
     }
     if constexpr (kSearch)
-      select_by_search(index + r * k, weight + r * k, key, dead, lane, k, chosen_key[warp], chosen_expert[warp]);
+      select_by_search(index + r * k, weight + r * k, key, dead, lane_top, row_top, lane, k, chosen_key[warp],
+                       chosen_expert[warp]);
     else
       select_by_rounds<P, L>(index + r * k, weight + r * k, key, dead, sub, live, k);
   } else if (means.mean && sub == 0) {

@@ -136,14 +136,16 @@ TEST_F(GpuTest, RopeMatchesTheCpuReference) {
 }
 
 TEST_F(GpuTest, SigmoidTopKMatchesTheCpuReference) {
-  // coarse: logits on a grid of 0.5, so that many tie, at the k-th largest too. k <= 4 takes the
-  // rounds kernel, larger k the bit search. pad: the logits' token rows are that many columns
-  // wider (a padded product's output), and the packed copy is checked; the gradient's bf16 rows
-  // are as much wider, their padding left as it was. No regulariser here (see the next test).
+  // coarse: logits on a grid of 0.5, so that many tie, at the k-th largest too, and some token
+  // rows all equal or all zeros of both signs (which compare equal). k <= 4 takes the rounds
+  // kernel, larger k the bit search (E 20: lanes without a live key). pad: the logits' token rows
+  // are that many columns wider (a padded product's output), and the packed copy is checked; the
+  // gradient's bf16 rows are as much wider, their padding left as it was. No regulariser here
+  // (see the next test).
   struct Case { int64_t n, groups, E, k; bool coarse; int64_t pad; };
   for (const Case& c : {Case{4096, 1, 565, 24, false, 11}, Case{1000, 6, 12, 2, false, 0}, Case{300, 1, 40, 32, false, 0},
                         Case{500, 1, 1024, 32, false, 0}, Case{777, 1, 387, 16, true, 5}, Case{999, 6, 12, 2, true, 8},
-                        Case{600, 2, 100, 8, true, 3}, Case{400, 1, 33, 5, false, 0}}) {
+                        Case{600, 2, 100, 8, true, 3}, Case{400, 1, 33, 5, false, 0}, Case{300, 2, 20, 6, true, 0}}) {
     SCOPED_TRACE("E " + std::to_string(c.E) + " k " + std::to_string(c.k) + (c.coarse ? " coarse" : "") + " pad " +
                  std::to_string(c.pad));
     Rng rng{uint64_t(c.E)};
@@ -151,6 +153,9 @@ TEST_F(GpuTest, SigmoidTopKMatchesTheCpuReference) {
     std::vector<float> z(c.n * cols);
     for (auto& v : z) v = c.coarse ? float(std::round(2 * rng.normal()) / 2) : float(rng.normal());
     for (int64_t i = 0; i < c.n; i += 7) z[i * cols + 1] = z[i * cols];  // ties
+    for (int64_t i = 3; c.coarse && i < c.n; i += 11) std::fill(z.begin() + i * cols, z.begin() + (i + 1) * cols, 0.75f);
+    for (int64_t i = 5; c.coarse && i < c.n; i += 11)
+      for (int64_t j = 0; j < cols; ++j) z[i * cols + j] = j % 3 ? 0.f : -0.f;
     std::vector<float> padded(c.n * ld, NAN);
     for (int64_t t = 0; t < c.n; ++t) std::copy(z.begin() + t * cols, z.begin() + (t + 1) * cols, padded.begin() + t * ld);
     const int64_t sel = c.n * c.groups * c.k;
