@@ -14,7 +14,8 @@ constexpr int kWarps = 8, kMaxPerLane = 32;  // E <= 32 * 32
 
 // Logits as unsigned keys in the same order: the sign bit flipped for z >= 0, every bit for z < 0
 // (NaN lowest, as key 0; -0 + 0 is +0, so -0 and +0 are equal, as compared in fp32). Shifts and
-// logic instead of tests and selects: the top-k kernels are bound by the ALU pipe (v42).
+// logic instead of tests and selects: the top-k kernels are bound by the ALU pipe
+// (PERFORMANCE.md v42).
 __device__ __forceinline__ uint32_t order_key(float z) {
   const uint32_t u = __float_as_uint(__fadd_rn(z, 0.f));
   return isnan(z) ? 0u : u ^ (uint32_t(int32_t(u) >> 31) | 0x80000000u);
@@ -81,9 +82,10 @@ __device__ __forceinline__ BlockRow block_row(int64_t T, int groups) {
 
 // The regulariser's softmax of a row, from the keys (the logits' bits, -0 as +0) and the row's
 // largest key: exp(z - max) into the row's P·L floats of shared memory (slot q of lane sub at
-// sub + L·q; dead slots hold garbage), their sum into `sum`. Returns the row's log-sum-exp. Each exponential is made once and stored
-// without a test: the means are sums of these rows times 1 / (S·sum) (topk_kernel), not atomics
-// into one row, which made this 1,200 instructions a row of the FFN (PERFORMANCE.md v41).
+// sub + L·q; dead slots hold garbage), their sum into `sum`. Returns the row's log-sum-exp. Each
+// exponential is made once and stored without a test: the means are sums of these rows times
+// 1 / (S·sum) (topk_kernel), not atomics into one row, which made this 1,200 instructions a row
+// of the FFN (PERFORMANCE.md v41).
 template <int P, int L>
 __device__ __forceinline__ float row_exponentials(float* exps, float& sum, const uint32_t (&key)[P], uint32_t dead,
                                                   uint32_t row_top, int sub) {
@@ -146,7 +148,7 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
   // bits, and the search starts below them.
   const uint32_t low = group_extreme_u32<32, false>(lane_top);
   const int known = __clz(int(row_top ^ low));  // 32 when they are equal
-  uint32_t prefix = known == 32 ? row_top : row_top & ~(0xffffffffu >> known);  // the k-th largest key's known bits
+  uint32_t prefix = known == 32 ? row_top : row_top & ~(0xffffffffu >> known);  // the k-th key's known bits
   bool exact = false;  // exactly k keys are at or above prefix
   for (int b = 31 - known; b >= 0; --b) {
     const uint32_t candidate = prefix | 1u << b;  // above 0, so no dead slot counts
@@ -207,9 +209,10 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
     count_carry(above[1], other.w, ~mine);
   }
   int rank = int(above[0] + above[1]);
-  if (int(__reduce_add_sync(0xffffffffu, lane < k ? unsigned(rank) : 0u)) != k * (k - 1) / 2)
+  if (int(__reduce_add_sync(0xffffffffu, lane < k ? unsigned(rank) : 0u)) != k * (k - 1) / 2) {
 #pragma unroll 1
     for (int i = 0; i < min(lane, k); ++i) rank += chosen_key[i] == mine;
+  }
   if (lane < k) {
     index[rank] = chosen_expert[lane];
     weight[rank] = key_sigmoid(mine);
