@@ -84,7 +84,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   targets_ = DeviceBuffer<int32_t>(size_t(N));
   for (int64_t l = 0; l <= cfg_.n_layers; ++l) xs_.emplace_back(size_t(N * d));
   layers_.resize(size_t(cfg_.n_layers));
-  planner_ = std::make_unique<cuda::CvmmPlanner>(std::max(M * kf, N * hk), std::max(Ef, he));
+  planner_ = std::make_unique<cuda::CvmmPlanner>(std::max(M * kf, N * hk), std::max(Ef, he), std::max(M, N));
   for (Layer& L : layers_) {
     for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) *plan = planner_->make_buffers();
     L.x_midb = DeviceBuffer<bf16>(size_t(N * d));

@@ -194,12 +194,15 @@ enum class CvmmRoute {
   kGatherToPositions,
 };
 
-// Builds plans on the device from top-k indices: a stable radix sort of (expert, selection)
-// pairs, then expert offsets and row tiles.
+// Builds plans on the device from top-k indices, no host synchronisation: each selection placed
+// where a stable sort by expert would put it (kernels/cvmm_plan.cu), then expert offsets and row
+// tiles. A token selects an expert of a group at most once, as a top-k does.
 class CvmmPlanner {
  public:
-  // tokens_per_chunk: the tokens a chunk of the tile list covers (CvmmPlan::chunk_first_tile).
-  CvmmPlanner(int64_t max_selections, int64_t max_experts, int64_t tokens_per_chunk = kCvmmChunkTokens);
+  // max_tokens: the most tokens (index rows) a plan covers. tokens_per_chunk: the tokens a chunk
+  // of the tile list covers (CvmmPlan::chunk_first_tile).
+  CvmmPlanner(int64_t max_selections, int64_t max_experts, int64_t max_tokens,
+              int64_t tokens_per_chunk = kCvmmChunkTokens);
   // Buffers sized for one plan of up to max_selections selections over max_experts experts.
   CvmmPlanBuffers make_buffers() const;
   // index [n, groups, k]: expert within its group, or -1 for a selection left out (its expert
@@ -208,9 +211,11 @@ class CvmmPlanner {
              CvmmRoute route, cudaStream_t stream);
 
  private:
-  int64_t max_selections_, max_experts_, tokens_per_chunk_;
-  DeviceBuffer<int32_t> keys_, sorted_keys_, order_, counts_;
-  DeviceBuffer<unsigned char> sort_scratch_;
+  int64_t max_selections_, max_experts_, max_tokens_, tokens_per_chunk_;
+  // Each selection's rank in its chunk of tokens; per chunk of tokens and expert (and the other
+  // ranks' experts last), the selections, then the selections of the chunks before; per expert,
+  // the selections.
+  DeviceBuffer<int32_t> rank_, chunk_count_, counts_;
 };
 
 }  // namespace moeut::cuda

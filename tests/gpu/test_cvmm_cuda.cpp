@@ -45,6 +45,20 @@ std::pair<DeviceBuffer<bf16>, const bf16*> placed(const std::vector<float>& v, s
   return {std::move(buf), p};
 }
 
+// n tokens' selections of k experts each, drawn by `draw` and drawn again while one repeats an
+// expert of its token, as a top-k picks them (the device planner relies on it). -1 (an expert of
+// another rank) may repeat.
+template <class Draw>
+std::vector<int32_t> distinct_per_token(int64_t n, int64_t k, Draw draw) {
+  std::vector<int32_t> index(size_t(n * k));
+  for (size_t i = 0; i < index.size(); ++i) {
+    const auto token_begin = index.begin() + int64_t(i) / k * k, here = index.begin() + int64_t(i);
+    do index[i] = draw();
+    while (index[i] >= 0 && std::find(token_begin, here, index[i]) != here);
+  }
+  return index;
+}
+
 // A random routing of s: the up product's selections (k distinct experts per token, rows by
 // token in, by selection or by position out), the down product's (in and out swapped) and the
 // routing weights.
@@ -58,22 +72,13 @@ Routing random_routing(const Shape& s, Rng& rng) {
   Routing r;
   CvmmSelection& up = r.up;
   up.resize(sels);
+  up.expert = distinct_per_token(n, k, [&] { return int32_t(rng.next() % uint64_t(pool)); });
   r.w.resize(size_t(sels));
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t j = 0; j < k; ++j) {  // k distinct experts per token
-      const int64_t i = t * k + j;
-      int32_t e;
-      bool dup;
-      do {
-        e = int32_t(rng.next() % uint64_t(pool));
-        dup = false;
-        for (int64_t q = t * k; q < i; ++q) dup |= up.expert[q] == e;
-      } while (dup);
-      up.expert[i] = e;
-      up.in_row[i] = int32_t(t);
-      up.out_row[i] = int32_t(i);
-      r.w[i] = float(rng.uniform());
-    }
+  for (int64_t i = 0; i < sels; ++i) {
+    up.in_row[i] = int32_t(i / k);
+    up.out_row[i] = int32_t(i);
+    r.w[i] = float(rng.uniform());
+  }
   up.group(E);
   if (s.by_position)
     for (int64_t i = 0; i < sels; ++i) up.out_row[size_t(i)] = up.position[size_t(i)];
@@ -365,13 +370,15 @@ TEST_F(GpuTest, SelectionDotsMatchAtEveryRowWidth) {
 TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
   const int64_t n = 700, k = 6, E = 40, d = 128, es = 64, sels = n * k;
   Rng rng{11};
-  std::vector<int32_t> index(sels);
+  const std::vector<int32_t> index =
+      distinct_per_token(n, k, [&] { return rng.next() % 3 == 0 ? -1 : int32_t(rng.next() % uint64_t(E)); });
   CvmmSelection mine;
+  std::vector<int64_t> live_index;  // the q-th live selection's index
   for (int64_t i = 0; i < sels; ++i) {
-    index[i] = rng.next() % 3 == 0 ? -1 : int32_t(rng.next() % uint64_t(E));
     if (index[i] < 0) continue;
     mine.expert.push_back(index[i]);
     mine.in_row.push_back(int32_t(i / k));
+    live_index.push_back(i);
   }
   const int64_t live = mine.size();
   mine.out_row.assign(size_t(live), 0);
@@ -384,10 +391,16 @@ TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
   CvmmWorkspace<float> ws;
   cvmm_forward(ref.data(), X.data(), W.data(), static_cast<const float*>(nullptr), mine, d, es, ws);
 
-  cuda::CvmmPlanner planner(sels, E);
+  cuda::CvmmPlanner planner(sels, E, n);
   cuda::CvmmPlanBuffers plan = planner.make_buffers();
   const DeviceBuffer<int32_t> gindex(index);
   planner.build(plan, gindex.get(), n, 1, E, k, cuda::CvmmRoute::kGatherToPositions, 0);
+  // By expert as a stable sort puts them, then the other ranks' selections in index order.
+  std::vector<int32_t> by_expert_ref;
+  for (int64_t q = 0; q < live; ++q) by_expert_ref.push_back(int32_t(live_index[size_t(mine.by_expert[size_t(q)])]));
+  for (int64_t i = 0; i < sels; ++i)
+    if (index[i] < 0) by_expert_ref.push_back(int32_t(i));
+  EXPECT_EQ(plan.by_expert.download(), by_expert_ref);
   const DeviceBuffer<bf16> gX(to_bf16(X)), gW(to_bf16(W));
   DeviceBuffer<bf16> hidden(std::vector<bf16>(size_t(sels * es), __float2bfloat16(NAN)));
   cuda::cvmm_rows(plan.view(), {gX.get(), gW.get(), nullptr, hidden.get(), nullptr, nullptr, nullptr, d, es, false, false},
@@ -418,9 +431,6 @@ TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
   std::vector<float> w(static_cast<size_t>(sels)), sum_ref(size_t(n * es), 0.f), dw_ref(size_t(sels), 0.f);
   for (float& v : w) v = float(rng.uniform());
   const auto D = random_bf16_values(n * es, rng, 1.0);
-  std::vector<int64_t> live_index;  // the q-th live selection's index
-  for (int64_t i = 0; i < sels; ++i)
-    if (index[i] >= 0) live_index.push_back(i);
   for (int64_t q = 0; q < live; ++q) {
     const int64_t i = live_index[size_t(q)], p = mine.position[size_t(q)];
     for (int64_t c = 0; c < es; ++c) {
@@ -440,44 +450,57 @@ TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
 
 // The device planner lists the same tiles and tile pairs, in the same order and chunks, as the
 // host plan that the tests and moeut-bench-cvmm use, so the benchmark measures the training's
-// schedule.
+// schedule; and places the selections as the host plan's stable grouping does.
 // Skewed routing gives one expert many pairs and leaves others empty; more experts than the
-// planner's block scans at once.
+// planner's block scans at once. Routing groups (attention heads) with few experts each, and
+// token counts that leave the planner's last chunk of 32 tokens partial.
 TEST_F(GpuTest, DevicePlanListsTheHostPlansTiles) {
-  const int64_t n = 3000, k = 4, E = 300, sels = n * k;
-  Rng rng{12};
-  std::vector<int32_t> index(sels);
-  CvmmSelection sel;
-  for (int64_t i = 0; i < sels; ++i) {
-    index[i] = rng.next() % 3 == 0 ? 7 : int32_t(rng.next() % uint64_t(E / 2) * 2);
-    sel.expert.push_back(index[i]);
-    sel.in_row.push_back(int32_t(i / k));
-    sel.out_row.push_back(0);
-  }
-  sel.group(E);
-  for (int64_t q = 0; q < sels; ++q) sel.out_row[size_t(q)] = sel.position[size_t(q)];
-  const int64_t tokens_per_chunk = 1000;  // 3 chunks
-  const cuda::DeviceCvmmPlan host(sel, tokens_per_chunk);
-  cuda::CvmmPlanner planner(sels, E, tokens_per_chunk);
-  cuda::CvmmPlanBuffers device = planner.make_buffers();
-  const DeviceBuffer<int32_t> gindex(index);
-  planner.build(device, gindex.get(), n, 1, E, k, cuda::CvmmRoute::kGatherToPositions, 0);
-  const int32_t tiles = host.live_tiles.download()[0], pairs = host.live_pairs.download()[0];
-  ASSERT_GT(sel.expert_begin[8] - sel.expert_begin[7], int64_t(8 * cuda::kCvmmTileRows));
-  EXPECT_EQ(device.live_tiles.download()[0], tiles);
-  EXPECT_EQ(device.live_pairs.download()[0], pairs);
-  EXPECT_EQ(device.expert_begin.download(), host.expert_begin.download());
-  auto first = [](const DeviceBuffer<int32_t>& b, int32_t count) {
-    std::vector<int32_t> all = b.download();
-    return std::vector<int32_t>(all.begin(), all.begin() + count);
+  struct Case {
+    int64_t n, groups, E, k, tokens_per_chunk;
+    bool skewed;
   };
-  EXPECT_EQ(first(device.tile_expert, tiles), first(host.tile_expert, tiles));
-  EXPECT_EQ(first(device.tile_first, tiles), first(host.tile_first, tiles));
-  EXPECT_EQ(first(device.pair_tile, pairs), first(host.pair_tile, pairs));
-  ASSERT_EQ(host.chunks, 3);
-  EXPECT_EQ(device.chunks, host.chunks);
-  EXPECT_EQ(first(device.chunk_first_tile, host.chunks + 1), host.chunk_first_tile.download());
-  EXPECT_EQ(first(device.by_expert, int32_t(sels)), sel.by_expert);
+  for (const Case& c : {Case{3000, 1, 300, 4, 1000, true}, Case{1001, 6, 12, 2, 400, false}}) {
+    SCOPED_TRACE("tokens " + std::to_string(c.n) + " groups " + std::to_string(c.groups));
+    const int64_t sels = c.n * c.groups * c.k, experts = c.groups * c.E;
+    Rng rng{uint64_t(12 + c.groups)};
+    // Each (token, group) row picks k distinct experts of its group.
+    const std::vector<int32_t> index = distinct_per_token(c.n * c.groups, c.k, [&] {
+      return c.skewed && rng.next() % 3 == 0 ? 7 : int32_t(rng.next() % uint64_t(c.E / 2) * 2);
+    });
+    CvmmSelection sel;
+    for (int64_t i = 0; i < sels; ++i) {
+      sel.expert.push_back(int32_t(i / c.k % c.groups * c.E + index[i]));
+      sel.in_row.push_back(int32_t(i / c.k / c.groups));
+      sel.out_row.push_back(0);
+    }
+    sel.group(experts);
+    for (int64_t q = 0; q < sels; ++q) sel.out_row[size_t(q)] = sel.position[size_t(q)];
+    const cuda::DeviceCvmmPlan host(sel, c.tokens_per_chunk);
+    cuda::CvmmPlanner planner(sels, experts, c.n, c.tokens_per_chunk);
+    cuda::CvmmPlanBuffers device = planner.make_buffers();
+    const DeviceBuffer<int32_t> gindex(index);
+    planner.build(device, gindex.get(), c.n, c.groups, c.E, c.k, cuda::CvmmRoute::kGatherToPositions, 0);
+    const int32_t tiles = host.live_tiles.download()[0], pairs = host.live_pairs.download()[0];
+    if (c.skewed) {
+      ASSERT_GT(sel.expert_begin[8] - sel.expert_begin[7], int64_t(8 * cuda::kCvmmTileRows));
+    }
+    EXPECT_EQ(device.live_tiles.download()[0], tiles);
+    EXPECT_EQ(device.live_pairs.download()[0], pairs);
+    EXPECT_EQ(device.expert_begin.download(), host.expert_begin.download());
+    auto first = [](const DeviceBuffer<int32_t>& b, int64_t count) {
+      std::vector<int32_t> all = b.download();
+      return std::vector<int32_t>(all.begin(), all.begin() + count);
+    };
+    EXPECT_EQ(first(device.tile_expert, tiles), first(host.tile_expert, tiles));
+    EXPECT_EQ(first(device.tile_first, tiles), first(host.tile_first, tiles));
+    EXPECT_EQ(first(device.pair_tile, pairs), first(host.pair_tile, pairs));
+    ASSERT_EQ(host.chunks, 3);
+    EXPECT_EQ(device.chunks, host.chunks);
+    EXPECT_EQ(first(device.chunk_first_tile, host.chunks + 1), host.chunk_first_tile.download());
+    EXPECT_EQ(first(device.by_expert, sels), sel.by_expert);
+    EXPECT_EQ(first(device.in_row, sels), first(host.in_row, sels));
+    EXPECT_EQ(first(device.out_row, sels), first(host.out_row, sels));
+  }
 }
 
 }  // namespace
