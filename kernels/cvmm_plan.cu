@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kMaskThreads)
 constexpr int kScanWarps = 32;
 __global__ void __launch_bounds__(kScanWarps * 32)
     scan_chunk_counts(int32_t* chunk_count, int32_t* counts, int chunks, int columns) {
-  __shared__ int32_t run_sum[kScanWarps][33];  // padded: lanes read down a column
+  __shared__ int32_t run_sum[kScanWarps][32];  // [warp][lane]: each warp's run of chunks summed
   const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32);
   const int column = int(blockIdx.x) * 32 + lane, run = (chunks + kScanWarps - 1) / kScanWarps;
   const int c0 = warp * run, c1 = min(c0 + run, chunks);
