@@ -94,6 +94,12 @@ constexpr int kMaskTokens = 32;  // tokens of a chunk: one bit each in a 32-bit 
 constexpr int kMaskThreads = 256;
 constexpr int64_t kMaxMaskExperts = 48 * 1024 / sizeof(uint32_t);  // without opting in to more shared memory
 
+// The column of chunk_count that selection i (= (t·groups + g)·k + j, expert e within group g)
+// counts in: its expert over all groups, or `experts` for another rank's (e = -1).
+__device__ inline int selection_column(int32_t e, int64_t i, int groups, int E, int k) {
+  return e < 0 ? groups * E : int(i / k % groups) * E + e;
+}
+
 // One block a chunk: the masks of the chunk's tokens by expert, kept in shared memory. Writes
 // each selection's rank among its expert's selections in the chunk (`rank`), and the chunk's
 // selections of each expert, those of other ranks last (`chunk_count` row c, experts + 1 wide).
@@ -111,22 +117,19 @@ __global__ void __launch_bounds__(kMaskThreads)
   const int last = min(first + run, sels);
   for (int e = int(threadIdx.x); e < experts; e += kMaskThreads) mask[e] = 0;
   __syncthreads();
-  const auto key = [&](int s) {  // the selection's expert over all groups, or -1
-    const int32_t e = index[i0 + s];
-    return e < 0 ? -1 : (s / k) % groups * E + e;
-  };
+  const auto column = [&](int s) { return selection_column(index[i0 + s], i0 + s, groups, E, k); };
   for (int s = first; s < last; ++s) {
-    const int e = key(s);
-    if (e >= 0) atomicOr(&mask[e], 1u << (s / per_token));
+    const int e = column(s);
+    if (e < experts) atomicOr(&mask[e], 1u << (s / per_token));
   }
   int others = 0;  // this run's selections of other ranks' experts
-  for (int s = first; s < last; ++s) others += key(s) < 0;
+  for (int s = first; s < last; ++s) others += column(s) == experts;
   int others_before, others_total;
   Scan(scratch).ExclusiveSum(others, others_before, others_total);
   __syncthreads();
   for (int s = first; s < last; ++s) {
-    const int e = key(s);
-    rank[i0 + s] = e < 0 ? others_before++ : __popc(mask[e] & ((1u << (s / per_token)) - 1u));
+    const int e = column(s);
+    rank[i0 + s] = e == experts ? others_before++ : __popc(mask[e] & ((1u << (s / per_token)) - 1u));
   }
   int32_t* counts = chunk_count + int64_t(blockIdx.x) * (experts + 1);
   for (int e = int(threadIdx.x); e < experts; e += kMaskThreads) counts[e] = __popc(mask[e]);
@@ -218,9 +221,9 @@ __global__ void place_selections(int32_t* by_expert, const int32_t* index, const
                                  int k) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_sel) return;
-  const int64_t tg = i / k, t = tg / groups;  // i = (t·groups + g)·k + j
-  const int experts = groups * E, column = index[i] < 0 ? experts : int(tg % groups) * E + index[i];
-  by_expert[begin[column] + chunk_before[t / kMaskTokens * (experts + 1) + column] + rank[i]] = int32_t(i);
+  const int64_t t = i / k / groups;  // i = (t·groups + g)·k + j
+  const int column = selection_column(index[i], i, groups, E, k);
+  by_expert[begin[column] + chunk_before[t / kMaskTokens * (groups * E + 1) + column] + rank[i]] = int32_t(i);
 }
 
 // The rows of the selection at each position, in position order: the products' tiles read
