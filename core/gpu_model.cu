@@ -40,13 +40,15 @@ __global__ void read_clock(uint64_t* at) {
 struct GpuModel::Layer {
   // qk: q's and k's rows side by side, [N, 2·H·dh], as one product writes them; v: the values
   // [N, H·dh], kept for the backward (summing them again there cost 0.9 ms a 1B step).
-  DeviceBuffer<bf16> qk, v, heads, x_midb, hidden;
+  // xb, x_midb: the residual entering the layer and after its attention, in bf16 (the value and
+  // FFN experts' input); xhat1, xhat2: LN1's and LN2's x̂ in bf16, which their backward reads.
+  DeviceBuffer<bf16> qk, v, heads, xb, x_midb, xhat1, xhat2, hidden;
   // The value experts' unweighted rows, one per selection [N·H·ka, dh] (see cuda::at_selections):
   // the values are summed from them, and their routing-weight gradient dots them.
   DeviceBuffer<bf16> v_sel;
   // zv, zo, z: the routing logits, from which the top-k backward makes the regulariser's gradient,
   // with their rows' log-sum-exps zv_lse, zo_lse, z_lse.
-  DeviceBuffer<float> mean1, rstd1, zv, zo, wv, wo, x_mid, mean2, rstd2, z, w_ff;
+  DeviceBuffer<float> rstd1, zv, zo, wv, wo, rstd2, z, w_ff;
   DeviceBuffer<float> zv_lse, zo_lse, z_lse;
   DeviceBuffer<float> lse;  // attention's row log-sum-exp, for its backward
   DeviceBuffer<int32_t> iv, io, i_ff;
@@ -82,12 +84,12 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   working_ = DeviceBuffer<bf16>(size_t(total));
   inputs_ = DeviceBuffer<int32_t>(size_t(N));
   targets_ = DeviceBuffer<int32_t>(size_t(N));
-  for (int64_t l = 0; l <= cfg_.n_layers; ++l) xs_.emplace_back(size_t(N * d));
+  residual_ = DeviceBuffer<float>(size_t(N * d));
   layers_.resize(size_t(cfg_.n_layers));
   planner_ = std::make_unique<cuda::CvmmPlanner>(std::max(M * kf, N * hk), std::max(Ef, he), std::max(M, N));
   for (Layer& L : layers_) {
     for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) *plan = planner_->make_buffers();
-    L.x_midb = DeviceBuffer<bf16>(size_t(N * d));
+    for (auto* b : {&L.xb, &L.x_midb, &L.xhat1, &L.xhat2}) *b = DeviceBuffer<bf16>(size_t(N * d));
     L.qk = DeviceBuffer<bf16>(size_t(N * 2 * hd));
     L.v = DeviceBuffer<bf16>(size_t(N * hd));
     L.heads = DeviceBuffer<bf16>(size_t(N * hd));
@@ -99,26 +101,24 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
       L.recv_index = DeviceBuffer<int32_t>(size_t(M * kf));
       L.recv_weight = DeviceBuffer<float>(size_t(M * kf));
     }
-    for (auto* b : {&L.mean1, &L.rstd1, &L.mean2, &L.rstd2}) *b = DeviceBuffer<float>(size_t(N));
+    for (auto* b : {&L.rstd1, &L.rstd2}) *b = DeviceBuffer<float>(size_t(N));
     L.lse = DeviceBuffer<float>(size_t(N * H));
     for (auto* b : {&L.zv, &L.zo}) *b = DeviceBuffer<float>(size_t(N * he));
     for (auto* b : {&L.zv_lse, &L.zo_lse}) *b = DeviceBuffer<float>(size_t(N * H));
     L.z_lse = DeviceBuffer<float>(size_t(N));
     for (auto* b : {&L.wv, &L.wo}) *b = DeviceBuffer<float>(size_t(N * hk));
     for (auto* b : {&L.iv, &L.io}) *b = DeviceBuffer<int32_t>(size_t(N * hk));
-    L.x_mid = DeviceBuffer<float>(size_t(N * d));
     L.z = DeviceBuffer<float>(size_t(N * cfg_.ff_n_experts));
     L.w_ff = DeviceBuffer<float>(size_t(N * kf));
     L.i_ff = DeviceBuffer<int32_t>(size_t(N * kf));
   }
   xf_ = DeviceBuffer<bf16>(size_t(N * d));
   xn_ = DeviceBuffer<bf16>(size_t(N * d));
-  xb_ = DeviceBuffer<bf16>(size_t(N * d));
+  xhat_f_ = DeviceBuffer<bf16>(size_t(N * d));
   if (cfg_.repeats() > 1) {  // some uses defer their expert weight gradients (see WeightGradTurn)
     deferred_dy_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * M * d));
     deferred_dhidden_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * M * kf * cfg_.ff_expert_size));
   }
-  mean_f_ = DeviceBuffer<float>(size_t(N));
   rstd_f_ = DeviceBuffer<float>(size_t(N));
   row_loss_ = DeviceBuffer<float>(size_t(N));
   inputs_host_ = cuda::PinnedBuffer<int32_t>(size_t(N));
@@ -303,12 +303,11 @@ void GpuModel::attention_forward(int64_t l) {
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
-  const float* x = xs_[l].get();
   mark(Part::kOther);
-  // xb: the raw residual in bf16, which the value experts read; x_mid starts as x (the output
-  // experts add into it).
-  cuda::layernorm_forward(xn_.get(), L.mean1.get(), L.rstd1.get(), x, wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
-                          d, stream_, xb_.get(), L.x_mid.get());
+  // xb: the raw residual in bf16, which the value experts read (the output experts then add into
+  // the residual in place).
+  cuda::layernorm_forward(xn_.get(), L.rstd1.get(), residual_.get(), wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
+                          d, stream_, L.xb.get(), backward_ ? L.xhat1.get() : nullptr);
   // The value and output routers (adjacent in the layout) in one product. Their top-ks and plans,
   // small kernels bound by latency, run on the side stream beside q, k and RoPE; the output
   // experts' plan, needed only after the attention, is built beside the value experts too.
@@ -327,14 +326,14 @@ void GpuModel::attention_forward(int64_t l) {
   cuda::rope_forward(L.qk.get(), B_, T, 2 * H, dh, cfg_.rope_dims(), stream_);
   mark(Part::kExperts);
   side_->join_marked();
-  cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()), {xb_.get(), wparam(p + "attention.v"), nullptr, L.v_sel.get(),
+  cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()), {L.xb.get(), wparam(p + "attention.v"), nullptr, L.v_sel.get(),
                                                          nullptr, nullptr, nullptr, d, dh, false, false}, stream_);
   cuda::cvmm_sum_selections(L.v.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
   mark(Part::kAttention);
   attention_->forward(L.heads.get(), L.lse.get(), L.qk.get(), L.qk.get() + hd, L.v.get(), stream_, 2 * hd);
   mark(Part::kExperts);
   side_->join();
-  cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, L.x_mid.get(), nullptr,
+  cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, residual_.get(), nullptr,
                                      nullptr, dh, d, false, true, N}, stream_);
 }
 
@@ -342,10 +341,10 @@ void GpuModel::ffn_forward(int64_t l) {
   Layer& L = layers_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
-  float* y = xs_[l + 1].get();  // starts as x_mid (the FFN experts add into it)
+  float* y = residual_.get();  // the FFN experts add into it in place
   mark(Part::kOther);
-  cuda::layernorm_forward(xn_.get(), L.mean2.get(), L.rstd2.get(), L.x_mid.get(), wparam(p + "ln2.weight"),
-                          wparam(p + "ln2.bias"), N, d, stream_, L.x_midb.get(), y);
+  cuda::layernorm_forward(xn_.get(), L.rstd2.get(), y, wparam(p + "ln2.weight"), wparam(p + "ln2.bias"), N, d, stream_,
+                          L.x_midb.get(), backward_ ? L.xhat2.get() : nullptr);
   route(xn_.get(), p + "ffn.expert_sel",
         {{1, Ef, kf, L.z.get(), L.i_ff.get(), L.w_ff.get(), reg_means(*reg_ffn_, l, L.z_lse.get())}});
   if (!dispatcher_) {
@@ -442,6 +441,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
   const bool backward = pass == Pass::kTrain;
   B_ = B;
   regularised_ = pass != Pass::kEvaluate;
+  backward_ = backward;
   mark(Part::kAttention);
   attention_->set_batch(B);
   const int64_t T = cfg_.context, N = B * T, d = cfg_.d_model;
@@ -451,7 +451,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(targets_.get(), targets_host_.get(), size_t(N) * sizeof(int32_t),
                                    cudaMemcpyHostToDevice, stream_));
   copy_weights(backward);
-  cuda::embedding_forward(xs_[0].get(), inputs_.get(), wparam("embedding.weight"), N, d, stream_);
+  cuda::embedding_forward(residual_.get(), inputs_.get(), wparam("embedding.weight"), N, d, stream_);
   if (regularised_) {
     mark(Part::kRouting);
     for (cuda::EntropyReg* reg : {reg_ffn_.get(), reg_att_v_.get(), reg_att_o_.get()}) reg->clear(stream_);
@@ -472,8 +472,8 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
     reg_att_o_->finish(g, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, side_->get());
   }
   mark(Part::kOther);
-  cuda::layernorm_forward(xf_.get(), mean_f_.get(), rstd_f_.get(), xs_.back().get(), wparam("out_norm.weight"),
-                          wparam("out_norm.bias"), N, d, stream_);
+  cuda::layernorm_forward(xf_.get(), rstd_f_.get(), residual_.get(), wparam("out_norm.weight"), wparam("out_norm.bias"),
+                          N, d, stream_, nullptr, backward ? xhat_f_.get() : nullptr);
   // The cross-entropy gradient starts the backward pass at the output LayerNorm.
   mark(Part::kDense);
   head_->run(row_loss_.get(), backward ? dxf_.get() : nullptr, gparam("lm_head.weight"), gparam("lm_head.bias"),
@@ -485,8 +485,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
     mark(Part::kOther);
     MOEUT_CUDA_CHECK(cudaMemsetAsync(dres_.get(), 0, dres_.size() * sizeof(float), stream_));
     cuda::layernorm_backward(dres_.get(), gparam("out_norm.weight"), gparam("out_norm.bias"), dxf_.get(),
-                             xs_.back().get(), wparam("out_norm.weight"), mean_f_.get(), rstd_f_.get(), N, d, stream_,
-                             dresb_.get());
+                             xhat_f_.get(), wparam("out_norm.weight"), rstd_f_.get(), N, d, stream_, dresb_.get());
     for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
       ffn_backward(l);
       attention_backward(l);
@@ -576,9 +575,9 @@ void GpuModel::ffn_backward(int64_t l) {
   mark(Part::kOther);
   // LN2's backward also writes LN2's output again (bit for bit the forward's) into xn_, for the
   // router's weight gradient.
-  cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.x_mid.get(),
-                           wparam(p + "ln2.weight"), L.mean2.get(), L.rstd2.get(), N, d, stream_, dresb_.get(),
-                           wparam(p + "ln2.bias"), xn_.get());
+  cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.xhat2.get(),
+                           wparam(p + "ln2.weight"), L.rstd2.get(), N, d, stream_, dresb_.get(), wparam(p + "ln2.bias"),
+                           xn_.get());
   mark(Part::kDense);
   dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(l % cfg_.group_size), N, ld);
 }
@@ -697,18 +696,16 @@ void GpuModel::attention_backward(int64_t l) {
                    attn_in_ld_, N, dxn_.get());
   side_->join();
   mark(Part::kOther);
-  // dresb for the layer below (none below the first: the embedding's gradient reads dres), LN1's
-  // output again (bit for bit the forward's) into xn_ for the weight gradients, and its input,
-  // the raw residual, in bf16 into xb_ for the value experts' weight gradient (one buffer for
-  // all layers instead of one kept per layer: 1.8 GB at 1B).
-  cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), xs_[l].get(),
-                           wparam(p + "ln1.weight"), L.mean1.get(), L.rstd1.get(), N, d, stream_,
-                           l > 0 ? dresb_.get() : nullptr, wparam(p + "ln1.bias"), xn_.get(), xb_.get());
-  // That weight gradient runs on the side stream beside this layer's dense weight gradients and
-  // the next layer's FFN backward, whose join comes before dv_ and xb_ are written again.
+  // dresb for the layer below (none below the first: the embedding's gradient reads dres), and
+  // LN1's output again (bit for bit the forward's) into xn_ for the weight gradients.
+  cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), L.xhat1.get(),
+                           wparam(p + "ln1.weight"), L.rstd1.get(), N, d, stream_, l > 0 ? dresb_.get() : nullptr,
+                           wparam(p + "ln1.bias"), xn_.get());
+  // The value experts' weight gradient runs on the side stream beside this layer's dense weight
+  // gradients and the next layer's FFN backward, whose join comes before dv_ is written again.
   mark(Part::kExperts);
   side_->fork();
-  cuda::cvmm_weight_grad(L.plan_v.view(), {xb_.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
+  cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
                                             H * Ea}, side_->get());
   mark(Part::kDense);
   // The weight gradients: q, k and the two routers are adjacent in the layout (checked at

@@ -1,7 +1,8 @@
 // MoEUT on one GPU, mixed precision: bf16 working parameters and activations, fp32 residual
 // stream, fp32 routing logits / LayerNorm statistics / losses, fp32 gradients (the fp32 master
 // weights live in the optimizer, parallel/gpu_sharded_optimizer.h). Same parameter layout as Model (core/params.h), so parameters move between the two
-// as one buffer. The forward pass keeps, per logical layer, what the backward pass needs.
+// as one buffer. The forward pass keeps, per logical layer, what the backward pass needs (of the
+// residual stream, only bf16 copies and the LayerNorms' x̂: the stream itself is added into in place).
 #pragma once
 #include <cublas_v2.h>
 
@@ -175,6 +176,7 @@ class GpuModel {
   std::unique_ptr<GpuAllToAllDispatcher> dispatcher_;  // expert parallelism; none when every expert is here
   int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
   bool regularised_ = false;  // the pass being enqueued has the regularisers (all but evaluation)
+  bool backward_ = false;     // and a backward pass (its forward keeps the LayerNorms' x̂ for it)
   cudaStream_t stream_ = nullptr;
   bool own_stream_ = false;
   cublasHandle_t cublas_ = nullptr;
@@ -184,17 +186,16 @@ class GpuModel {
   std::vector<char> expert_grads_written_;
   cuda::DeviceBuffer<bf16> working_;
   cuda::DeviceBuffer<int32_t> inputs_, targets_;
-  std::vector<cuda::DeviceBuffer<float>> xs_;  // residual entering each layer, and the final one
+  // The residual stream, which the output experts and the FFN experts add into in place: a
+  // layer's backward reads its LayerNorms' x̂ and its bf16 copies, never the fp32 residual.
+  cuda::DeviceBuffer<float> residual_;
   std::vector<Layer> layers_;
-  cuda::DeviceBuffer<bf16> xf_;                // output LayerNorm
+  cuda::DeviceBuffer<bf16> xf_, xhat_f_;  // output LayerNorm: its output and x̂
   // A layer's LayerNorm output (bf16), for the products that read it; in the backward pass the
-  // LayerNorm backward writes it again from the kept fp32 input and statistics, for the weight
-  // gradients that follow it, instead of keeping one per layer.
+  // LayerNorm backward writes it again from the kept x̂, for the weight gradients that follow
+  // it, instead of keeping one per layer.
   cuda::DeviceBuffer<bf16> xn_;
-  cuda::DeviceBuffer<float> mean_f_, rstd_f_, row_loss_;
-  // The raw residual entering the layer in bf16, which the value experts read: written by LN1's
-  // forward, and again by LN1's backward (from the kept fp32 one) for their weight gradient.
-  cuda::DeviceBuffer<bf16> xb_;
+  cuda::DeviceBuffer<float> rstd_f_, row_loss_;
   // Per physical layer, a deferring use's output gradient [rows, d] and hidden-unit gradient
   // (see WeightGradTurn).
   cuda::DeviceBuffer<bf16> deferred_dy_, deferred_dhidden_;

@@ -56,14 +56,23 @@ __device__ __forceinline__ void store_cols(__nv_bfloat16* p, const Cols<V>& c) {
   }
 }
 
-// The LayerNorm's output x̂·w + b of V columns, one expression for the forward kernel and the
-// backward's second writing of it, so that the two agree bit for bit.
+// x̂ = (x - mean)·rstd of V columns, rounded to bf16: what the backward pass keeps of x, and what
+// the output is made from in both passes.
 template <int V>
-__device__ __forceinline__ Cols<V> normalized(const Cols<V>& xv, float mu, float rs, const Cols<V>& wv,
-                                              const Cols<V>& bv) {
+__device__ __forceinline__ Cols<V> normalized_input(const Cols<V>& xv, float mu, float rs) {
+  Cols<V> h;
+#pragma unroll
+  for (int k = 0; k < V; ++k) h.v[k] = __bfloat162float(__float2bfloat16((xv.v[k] - mu) * rs));
+  return h;
+}
+
+// The LayerNorm's output x̂·w + b of V columns from the rounded x̂, one expression for the forward
+// kernel and the backward's second writing of it, so that the two agree bit for bit.
+template <int V>
+__device__ __forceinline__ Cols<V> output_of(const Cols<V>& xhat, const Cols<V>& wv, const Cols<V>& bv) {
   Cols<V> o;
 #pragma unroll
-  for (int k = 0; k < V; ++k) o.v[k] = (xv.v[k] - mu) * rs * wv.v[k] + bv.v[k];
+  for (int k = 0; k < V; ++k) o.v[k] = xhat.v[k] * wv.v[k] + bv.v[k];
   return o;
 }
 
@@ -79,14 +88,14 @@ bool four_wide(int64_t d, std::initializer_list<const void*> fp32, std::initiali
 // the row in registers, so the row is read from memory once, with all of a lane's loads in
 // flight together (a loop over the row three times kept one load in flight per lane: about half
 // the memory bandwidth, docs/PERFORMANCE.md v9). Columns past them (d > 32·V·kRegisterChunks) are
-// read again in each pass. x_bf16, when not null, receives a bf16 copy of x, and x_copy an fp32 one.
+// read again in each pass. x_bf16, when not null, receives a bf16 copy of x, and xhat the rounded x̂.
 // Held to 128 registers, two blocks per SM: with the copies the compiler took 144 (one block), and
 // every call ran at half the warps, the backward pass's copy-less ones too (docs/PERFORMANCE.md v18).
 constexpr int kRegisterChunks = 16;
 template <int V>
 __global__ void __launch_bounds__(kWarps * 32, 2)
     layernorm_forward_kernel(__nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ x_bf16,
-                             float* __restrict__ x_copy, float* mean, float* rstd, const float* __restrict__ x,
+                             __nv_bfloat16* __restrict__ xhat, float* rstd, const float* __restrict__ x,
                              const __nv_bfloat16* w, const __nv_bfloat16* b, int64_t n, int d) {
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -104,12 +113,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       if (const int i = lane * V + c * kStride; i < d) f(i, held[c]);
     for (int i = kHeld + lane * V; i < d; i += kStride) f(i, load_cols<V>(xr + i));
   };
-  // The copies, as soon as the row is in.
-  if (x_bf16 || x_copy)
-    each_chunk([&](int i, const Cols<V>& xv) {
-      if (x_bf16) store_cols<V>(x_bf16 + row * d + i, xv);
-      if (x_copy) store_cols<V>(x_copy + row * d + i, xv);
-    });
+  // The copy, as soon as the row is in.
+  if (x_bf16) each_chunk([&](int i, const Cols<V>& xv) { store_cols<V>(x_bf16 + row * d + i, xv); });
   float s = 0.f;
   each_chunk([&](int, const Cols<V>& xv) {
 #pragma unroll
@@ -123,28 +128,26 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   });
   const float rs = rsqrtf(warp_sum(v) / float(d) + float(kLayerNormEps));
   each_chunk([&](int i, const Cols<V>& xv) {
-    store_cols<V>(out + row * d + i, normalized<V>(xv, mu, rs, load_cols<V>(w + i), load_cols<V>(b + i)));
+    const Cols<V> h = normalized_input<V>(xv, mu, rs);
+    if (xhat) store_cols<V>(xhat + row * d + i, h);
+    store_cols<V>(out + row * d + i, output_of<V>(h, load_cols<V>(w + i), load_cols<V>(b + i)));
   });
-  if (lane == 0) {
-    mean[row] = mu;
-    rstd[row] = rs;
-  }
+  if (lane == 0) rstd[row] = rs;
 }
 
 // One warp per row, rows strided over the grid, V columns per lane at a time. As in the forward
-// kernel, a lane keeps its first kBackwardRegisterChunks chunks of the row's gradient, input and
-// dx (which it adds into) in registers, all of a lane's loads in flight together: dx read in the
-// second pass, behind that pass's stores, waited on each chunk's load in turn. Each
-// warp adds its rows' parameter gradients into its own slice of shared memory (lanes own their
-// columns, so no atomics), and the block adds the slices into the global gradients once. out,
-// when not null, receives the forward's output again (normalized, as the forward kernel), and
-// x_bf16 the input in bf16, their operands read in the second pass anyway.
+// kernel, a lane keeps its first kBackwardRegisterChunks chunks of the row's gradient, x̂ and dx
+// (which it adds into) in registers, all of a lane's loads in flight together. Each warp adds its
+// rows' parameter gradients into its own slice of shared memory (lanes own their columns, so no
+// atomics), and the block adds the slices into the global gradients once. out, when not null,
+// receives the forward's output again (from the same x̂, as the forward kernel), its operands read
+// in the second pass anyway.
 constexpr int kBackwardRegisterChunks = 12;
 template <int V, class Grad>
 __global__ void __launch_bounds__(kBackwardWarps * 32, 2)
-    layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, __nv_bfloat16* x_bf16, float* dw,
-                              float* db, const Grad* dout, const float* x, const __nv_bfloat16* w,
-                              const __nv_bfloat16* b, const float* mean, const float* rstd, int64_t n, int d) {
+    layernorm_backward_kernel(float* dx, __nv_bfloat16* dx_bf16, __nv_bfloat16* out, float* dw, float* db,
+                              const Grad* dout, const __nv_bfloat16* xhat, const __nv_bfloat16* w,
+                              const __nv_bfloat16* b, const float* rstd, int64_t n, int d) {
   extern __shared__ float acc[];  // [kBackwardWarps][2][d]
   for (int i = threadIdx.x; i < kBackwardWarps * 2 * d; i += blockDim.x) acc[i] = 0.f;
   __syncthreads();
@@ -153,15 +156,15 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, 2)
   float* db_acc = dw_acc + d;
   constexpr int kStride = 32 * V, kHeld = kStride * kBackwardRegisterChunks;
   for (int64_t row = int64_t(blockIdx.x) * kBackwardWarps + warp; row < n; row += int64_t(gridDim.x) * kBackwardWarps) {
-    const float* xr = x + row * d;
+    const __nv_bfloat16* xr = xhat + row * d;
     const Grad* gr = dout + row * d;
     Cols<V> g_held[kBackwardRegisterChunks], x_held[kBackwardRegisterChunks], dx_held[kBackwardRegisterChunks];
 #pragma unroll
     for (int c = 0; c < kBackwardRegisterChunks; ++c)
       if (const int i = lane * V + c * kStride; i < d)
         g_held[c] = load_cols<V>(gr + i), x_held[c] = load_cols<V>(xr + i), dx_held[c] = load_cols<V>(dx + row * d + i);
-    // f(i, gradient, input, dx) over this lane's chunks in column order: the held ones, then those
-    // read again.
+    // f(i, gradient, x̂, dx) over this lane's chunks in column order: the held ones, then those read
+    // again.
     auto each_chunk = [&](auto f) {
 #pragma unroll
       for (int c = 0; c < kBackwardRegisterChunks; ++c)
@@ -169,33 +172,31 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, 2)
       for (int i = kHeld + lane * V; i < d; i += kStride)
         f(i, load_cols<V>(gr + i), load_cols<V>(xr + i), load_cols<V>(dx + row * d + i));
     };
-    const float mu = mean[row], rs = rstd[row];
+    const float rs = rstd[row];
     float g_mean = 0.f, gx_mean = 0.f;
-    each_chunk([&](int i, const Cols<V>& gv, const Cols<V>& xv, const Cols<V>&) {
+    each_chunk([&](int i, const Cols<V>& gv, const Cols<V>& hv, const Cols<V>&) {
       const Cols<V> wv = load_cols<V>(w + i);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const float g = gv.v[k] * wv.v[k];
         g_mean += g;
-        gx_mean += g * (xv.v[k] - mu) * rs;
+        gx_mean += g * hv.v[k];
       }
     });
     g_mean = warp_sum(g_mean) / float(d);
     gx_mean = warp_sum(gx_mean) / float(d);
-    each_chunk([&](int i, const Cols<V>& gv, const Cols<V>& xv, Cols<V> dxv) {
+    each_chunk([&](int i, const Cols<V>& gv, const Cols<V>& hv, Cols<V> dxv) {
       const Cols<V> wv = load_cols<V>(w + i);
       Cols<V> dwv = load_cols<V>(dw_acc + i), dbv = load_cols<V>(db_acc + i);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float xhat = (xv.v[k] - mu) * rs;
-        dxv.v[k] += rs * (gv.v[k] * wv.v[k] - g_mean - xhat * gx_mean);
-        dwv.v[k] += gv.v[k] * xhat;
+        dxv.v[k] += rs * (gv.v[k] * wv.v[k] - g_mean - hv.v[k] * gx_mean);
+        dwv.v[k] += gv.v[k] * hv.v[k];
         dbv.v[k] += gv.v[k];
       }
       store_cols<V>(dx + row * d + i, dxv);
       if (dx_bf16) store_cols<V>(dx_bf16 + row * d + i, dxv);
-      if (out) store_cols<V>(out + row * d + i, normalized<V>(xv, mu, rs, wv, load_cols<V>(b + i)));
-      if (x_bf16) store_cols<V>(x_bf16 + row * d + i, xv);
+      if (out) store_cols<V>(out + row * d + i, output_of<V>(hv, wv, load_cols<V>(b + i)));
       store_cols<V>(dw_acc + i, dwv);
       store_cols<V>(db_acc + i, dbv);
     });
@@ -212,27 +213,26 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, 2)
 
 }  // namespace
 
-void layernorm_forward(__nv_bfloat16* out, float* mean, float* rstd, const float* x, const __nv_bfloat16* weight,
+void layernorm_forward(__nv_bfloat16* out, float* rstd, const float* x, const __nv_bfloat16* weight,
                        const __nv_bfloat16* bias, int64_t n, int64_t d, cudaStream_t stream, __nv_bfloat16* x_bf16,
-                       float* x_copy) {
+                       __nv_bfloat16* xhat) {
   if (n == 0) return;
   const unsigned blocks = unsigned((n + kWarps - 1) / kWarps);
-  if (four_wide(d, {x, x_copy}, {out, weight, bias, x_bf16}))
+  if (four_wide(d, {x}, {out, weight, bias, x_bf16, xhat}))
     layernorm_forward_kernel<4>
-        <<<blocks, kWarps * 32, 0, stream>>>(out, x_bf16, x_copy, mean, rstd, x, weight, bias, n, int(d));
+        <<<blocks, kWarps * 32, 0, stream>>>(out, x_bf16, xhat, rstd, x, weight, bias, n, int(d));
   else
     layernorm_forward_kernel<1>
-        <<<blocks, kWarps * 32, 0, stream>>>(out, x_bf16, x_copy, mean, rstd, x, weight, bias, n, int(d));
+        <<<blocks, kWarps * 32, 0, stream>>>(out, x_bf16, xhat, rstd, x, weight, bias, n, int(d));
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
 namespace {
 
 template <class Grad>
-void launch_backward(float* dx, float* dweight, float* dbias, const Grad* dout, const float* x,
-                     const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
-                     cudaStream_t stream, __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out,
-                     __nv_bfloat16* x_bf16) {
+void launch_backward(float* dx, float* dweight, float* dbias, const Grad* dout, const __nv_bfloat16* xhat,
+                     const __nv_bfloat16* weight, const float* rstd, int64_t n, int64_t d, cudaStream_t stream,
+                     __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out) {
   if (n == 0) return;
   if (out && !bias) throw std::invalid_argument("layernorm_backward: the forward output needs the bias");
   // At most 1056 blocks (8 per SM of an H100): each block's partial sums cost one pass of atomics
@@ -241,12 +241,12 @@ void launch_backward(float* dx, float* dweight, float* dbias, const Grad* dout, 
   const size_t smem = size_t(kBackwardWarps) * 2 * size_t(d) * sizeof(float);
   auto launch = [&](auto kernel) {
     MOEUT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<blocks, kBackwardWarps * 32, smem, stream>>>(dx, dx_bf16, out, x_bf16, dweight, dbias, dout, x, weight,
-                                                          bias, mean, rstd, n, int(d));
+    kernel<<<blocks, kBackwardWarps * 32, smem, stream>>>(dx, dx_bf16, out, dweight, dbias, dout, xhat, weight, bias,
+                                                          rstd, n, int(d));
   };
   constexpr bool kGradBf16 = std::is_same_v<Grad, __nv_bfloat16>;
-  const bool wide = kGradBf16 ? four_wide(d, {dx, x}, {dout, weight, dx_bf16, bias, out, x_bf16})
-                              : four_wide(d, {dx, dout, x}, {weight, dx_bf16, bias, out, x_bf16});
+  const bool wide = kGradBf16 ? four_wide(d, {dx}, {dout, xhat, weight, dx_bf16, bias, out})
+                              : four_wide(d, {dx, dout}, {xhat, weight, dx_bf16, bias, out});
   if (wide) launch(layernorm_backward_kernel<4, Grad>);
   else launch(layernorm_backward_kernel<1, Grad>);
   MOEUT_CUDA_CHECK(cudaGetLastError());
@@ -254,18 +254,16 @@ void launch_backward(float* dx, float* dweight, float* dbias, const Grad* dout, 
 
 }  // namespace
 
-void layernorm_backward(float* dx, float* dweight, float* dbias, const float* dout, const float* x,
-                        const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
-                        cudaStream_t stream, __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out,
-                        __nv_bfloat16* x_bf16) {
-  launch_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, n, d, stream, dx_bf16, bias, out, x_bf16);
+void layernorm_backward(float* dx, float* dweight, float* dbias, const float* dout, const __nv_bfloat16* xhat,
+                        const __nv_bfloat16* weight, const float* rstd, int64_t n, int64_t d, cudaStream_t stream,
+                        __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out) {
+  launch_backward(dx, dweight, dbias, dout, xhat, weight, rstd, n, d, stream, dx_bf16, bias, out);
 }
 
-void layernorm_backward(float* dx, float* dweight, float* dbias, const __nv_bfloat16* dout, const float* x,
-                        const __nv_bfloat16* weight, const float* mean, const float* rstd, int64_t n, int64_t d,
-                        cudaStream_t stream, __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out,
-                        __nv_bfloat16* x_bf16) {
-  launch_backward(dx, dweight, dbias, dout, x, weight, mean, rstd, n, d, stream, dx_bf16, bias, out, x_bf16);
+void layernorm_backward(float* dx, float* dweight, float* dbias, const __nv_bfloat16* dout, const __nv_bfloat16* xhat,
+                        const __nv_bfloat16* weight, const float* rstd, int64_t n, int64_t d, cudaStream_t stream,
+                        __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out) {
+  launch_backward(dx, dweight, dbias, dout, xhat, weight, rstd, n, d, stream, dx_bf16, bias, out);
 }
 
 }  // namespace moeut::cuda

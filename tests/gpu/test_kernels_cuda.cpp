@@ -66,37 +66,38 @@ TEST_F(GpuTest, LayerNormMatchesTheCpuReference) {
     std::vector<float> out(n * d), mean(n), rstd(n), dx = dx0, dw(d, 0.5f), db(d, -0.5f);
     layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), n, d);
     layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(), mean.data(), rstd.data(), n, d);
+    std::vector<float> xhat(n * d);
+    for (int64_t i = 0; i < n * d; ++i) xhat[i] = (x[i] - mean[i / d]) * rstd[i / d];
 
-    DeviceBuffer<float> gx(x), gmean(std::vector<float>(n, NAN)), grstd(std::vector<float>(n, NAN)), gdout(dout),
-        gdx(dx0), gdw(std::vector<float>(d, 0.5f)), gdb(std::vector<float>(d, -0.5f));
+    DeviceBuffer<float> gx(x), grstd(std::vector<float>(n, NAN)), gdout(dout), gdx(dx0),
+        gdw(std::vector<float>(d, 0.5f)), gdb(std::vector<float>(d, -0.5f));
     DeviceBuffer<bf16> gw(to_bf16(w)), gb(to_bf16(b)), gout(std::vector<bf16>(n * d, __float2bfloat16(NAN))),
-        gxb(gout.download()), gdxb(gout.download()), gout_again(gout.download()), gxb_again(gout.download());
-    DeviceBuffer<float> gx_copy(std::vector<float>(n * d, NAN));
-    cuda::layernorm_forward(gout.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0, gxb.get(),
-                            gx_copy.get());
-    cuda::layernorm_backward(gdx.get(), gdw.get(), gdb.get(), gdout.get(), gx.get(), gw.get(), gmean.get(), grstd.get(),
-                             n, d, 0, gdxb.get(), gb.get(), gout_again.get(), gxb_again.get());
+        gxb(gout.download()), gxhat(gout.download()), gdxb(gout.download()), gout_again(gout.download());
+    cuda::layernorm_forward(gout.get(), grstd.get(), gx.get(), gw.get(), gb.get(), n, d, 0, gxb.get(), gxhat.get());
+    cuda::layernorm_backward(gdx.get(), gdw.get(), gdb.get(), gdout.get(), gxhat.get(), gw.get(), grstd.get(), n, d, 0,
+                             gdxb.get(), gb.get(), gout_again.get());
     // The copies: x exactly (its values are bf16), dx rounded from the fp32 result; the backward
-    // pass's output bit for bit the forward's (the same expression on the same mean and rstd).
+    // pass's output bit for bit the forward's (the same expression on the same x̂).
     EXPECT_EQ(to_float(gout_again.download()), to_float(gout.download())) << "output again, from the backward pass";
     EXPECT_EQ(to_float(gxb.download()), x) << "bf16 copy of x";
-    EXPECT_EQ(to_float(gxb_again.download()), x) << "bf16 copy of x, from the backward pass";
-    EXPECT_EQ(gx_copy.download(), x) << "fp32 copy of x";
     EXPECT_EQ(to_float(gdxb.download()), to_float(to_bf16(gdx.download()))) << "bf16 copy of dx";
+    EXPECT_LE(rel_error(to_float(gxhat.download()), xhat), 4e-3) << "x̂ (bf16)";
     EXPECT_LE(rel_error(to_float(gout.download()), out), 1e-2) << "output (bf16)";
-    EXPECT_LE(rel_error(gmean.download(), mean), 1e-5) << "mean";
     EXPECT_LE(rel_error(grstd.download(), rstd), 1e-5) << "rstd";
-    EXPECT_LE(rel_error(gdx.download(), dx), 1e-5) << "input gradient";
-    EXPECT_LE(rel_error(gdw.download(), dw), 1e-4) << "weight gradient";
+    // x̂ in bf16: about 2e-3 on the weight gradient of these random rows (each of its terms is off
+    // by x̂'s rounding), 1e-4 on the input gradient (docs/PERFORMANCE.md v44).
+    EXPECT_LE(rel_error(gdx.download(), dx), 1e-3) << "input gradient";
+    EXPECT_LE(rel_error(gdw.download(), dw), 5e-3) << "weight gradient";
     EXPECT_LE(rel_error(gdb.download(), db), 1e-4) << "bias gradient";
     // The output's gradient in bf16 (its values are bf16): the same results.
     DeviceBuffer<bf16> gdout_bf16(to_bf16(dout));
     DeviceBuffer<float> gdx2(dx0), gdw2(std::vector<float>(d, 0.5f)), gdb2(std::vector<float>(d, -0.5f));
-    cuda::layernorm_backward(gdx2.get(), gdw2.get(), gdb2.get(), gdout_bf16.get(), gx.get(), gw.get(), gmean.get(),
-                             grstd.get(), n, d, 0);
-    EXPECT_LE(rel_error(gdx2.download(), dx), 1e-5) << "input gradient, bf16 output gradient";
-    EXPECT_LE(rel_error(gdw2.download(), dw), 1e-4) << "weight gradient, bf16 output gradient";
-    EXPECT_LE(rel_error(gdb2.download(), db), 1e-4) << "bias gradient, bf16 output gradient";
+    cuda::layernorm_backward(gdx2.get(), gdw2.get(), gdb2.get(), gdout_bf16.get(), gxhat.get(), gw.get(), grstd.get(),
+                             n, d, 0);
+    // dx row by row as before; the parameter gradients' blocks add in any order.
+    EXPECT_EQ(gdx2.download(), gdx.download()) << "input gradient, bf16 output gradient";
+    EXPECT_LE(rel_error(gdw2.download(), gdw.download()), 1e-6) << "weight gradient, bf16 output gradient";
+    EXPECT_LE(rel_error(gdb2.download(), gdb.download()), 1e-6) << "bias gradient, bf16 output gradient";
   }
 }
 
