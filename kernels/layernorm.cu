@@ -156,21 +156,21 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, 2)
   float* db_acc = dw_acc + d;
   constexpr int kStride = 32 * V, kHeld = kStride * kBackwardRegisterChunks;
   for (int64_t row = int64_t(blockIdx.x) * kBackwardWarps + warp; row < n; row += int64_t(gridDim.x) * kBackwardWarps) {
-    const __nv_bfloat16* xr = xhat + row * d;
+    const __nv_bfloat16* hr = xhat + row * d;
     const Grad* gr = dout + row * d;
-    Cols<V> g_held[kBackwardRegisterChunks], x_held[kBackwardRegisterChunks], dx_held[kBackwardRegisterChunks];
+    Cols<V> g_held[kBackwardRegisterChunks], h_held[kBackwardRegisterChunks], dx_held[kBackwardRegisterChunks];
 #pragma unroll
     for (int c = 0; c < kBackwardRegisterChunks; ++c)
       if (const int i = lane * V + c * kStride; i < d)
-        g_held[c] = load_cols<V>(gr + i), x_held[c] = load_cols<V>(xr + i), dx_held[c] = load_cols<V>(dx + row * d + i);
+        g_held[c] = load_cols<V>(gr + i), h_held[c] = load_cols<V>(hr + i), dx_held[c] = load_cols<V>(dx + row * d + i);
     // f(i, gradient, x̂, dx) over this lane's chunks in column order: the held ones, then those read
     // again.
     auto each_chunk = [&](auto f) {
 #pragma unroll
       for (int c = 0; c < kBackwardRegisterChunks; ++c)
-        if (const int i = lane * V + c * kStride; i < d) f(i, g_held[c], x_held[c], dx_held[c]);
+        if (const int i = lane * V + c * kStride; i < d) f(i, g_held[c], h_held[c], dx_held[c]);
       for (int i = kHeld + lane * V; i < d; i += kStride)
-        f(i, load_cols<V>(gr + i), load_cols<V>(xr + i), load_cols<V>(dx + row * d + i));
+        f(i, load_cols<V>(gr + i), load_cols<V>(hr + i), load_cols<V>(dx + row * d + i));
     };
     const float rs = rstd[row];
     float g_mean = 0.f, gx_mean = 0.f;
