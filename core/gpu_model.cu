@@ -137,6 +137,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   dzb_ = DeviceBuffer<bf16>(size_t(N * router_rows));
   MOEUT_CUDA_CHECK(cudaMemset(dzb_.get(), 0, dzb_.size() * sizeof(bf16)));  // its padding stays zero
   dheads_f32_ = DeviceBuffer<float>(size_t(N * hd));
+  att_dw_staging_ = DeviceBuffer<bf16>(size_t(N * hk * 128));  // positions x 128 (see CvmmWeightGradArgs::staging)
   dresb_ = DeviceBuffer<bf16>(size_t(N * d));
   dhidden_ = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
   if (dispatcher_) {
@@ -662,7 +663,8 @@ void GpuModel::attention_backward(int64_t l) {
   // LayerNorm backward below writes dresb again.
   side_->fork();
   cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
-                                            d, H * Ea}, side_->get());
+                                            d, H * Ea, false, att_dw_staging_.get()},
+                         side_->get());
   cuda::cvmm_rows(L.plan_o.view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
                                          dw_.get(), L.heads.get(), d, dh, true, true, N * H}, stream_);
   // The gradients of LN1's four readers go side by side into attn_in_grad_ (see gpu_model.h):
@@ -706,7 +708,8 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kExperts);
   side_->fork();
   cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
-                                            H * Ea}, side_->get());
+                                            H * Ea, false, att_dw_staging_.get()},
+                         side_->get());
   mark(Part::kDense);
   // The weight gradients: q, k and the two routers are adjacent in the layout (checked at
   // construction), so one product.

@@ -204,6 +204,10 @@ class GpuModel {
   // dxn_: a LayerNorm output's gradient, as the products that read the output give it (bf16, as
   // their other activations: the LayerNorm backward reads it once, PERFORMANCE v39).
   cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dv_, dxn_;
+  // The attention experts' weight gradients lay out their per-selection operand here, weighted
+  // and by position (see cuda::CvmmWeightGradArgs::staging); both run on the side stream, one
+  // after the other.
+  cuda::DeviceBuffer<bf16> att_dw_staging_;
   cuda::DeviceBuffer<bf16> padded_routers_;  // see copy_weights; zero past each router's rows
   // A router product's output, rows router_ld apart, before each top-k packs its router's
   // columns into that router's z (see route).

@@ -1280,6 +1280,25 @@ void cvmm_selection_dots(float* dweight, const bf16* rows, const bf16* dot_rows,
 
 namespace {
 
+// staging[p] = weight[by_expert[p]] · src[rows[p]] for the live positions p (below the last
+// expert's end), rows of `width` bf16 (a multiple of 8), a thread per 8 columns: the weighting
+// of the weight-gradient kernel's copies (landed), bit for bit.
+__global__ void stage_weighted_rows(bf16* staging, const CvmmPlan plan, const int32_t* rows, const bf16* src,
+                                    const float* weight, int64_t experts, int width) {
+  const int per_row = width / 8;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, p = i / per_row, c = (i % per_row) * 8;
+  if (p >= plan.expert_begin[experts]) return;
+  const float w = weight[plan.by_expert[p]];
+  uint4 v = *reinterpret_cast<const uint4*>(src + int64_t(rows[p]) * width + c);
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(pairs[j]);
+    pairs[j] = __floats2bfloat162_rn(w * f.x, w * f.y);
+  }
+  *reinterpret_cast<uint4*>(staging + p * width + c) = v;
+}
+
 // The weight gradient over `uses` (1 or 2) plans and operands sharing dW.
 void launch_weight_grad(const CvmmPlan* plans, const CvmmWeightGradArgs* args, int uses, cudaStream_t stream) {
   const CvmmWeightGradArgs& a = args[0];
@@ -1307,6 +1326,29 @@ void launch_weight_grad(const CvmmPlan* plans, const CvmmWeightGradArgs* args, i
   WeightGradTma tma = by_tma(0);
   for (int u = 1; u < uses; ++u)
     if (by_tma(u) != tma) tma = kGatherBoth;
+  // Both operands gathered and weighted: the narrower one weighted and by position first (see
+  // CvmmWeightGradArgs::staging), then the product of the staged operand by tensor copies.
+  auto stageable = [&](bool is_a) {
+    const int64_t width = is_a ? a.K : a.N;
+    return width <= 128 && vectorizable(is_a ? a.A : a.B, width) && vectorizable(a.staging, width);
+  };
+  const bool stage_a = stageable(true) && (!stageable(false) || a.K <= a.N);  // the narrower
+  const int64_t width = stage_a ? a.K : a.N;
+  if (uses == 1 && tma == kGatherBoth && a.staging && a.weight && stageable(stage_a) && plans[0].positions > 0) {
+    CvmmPlan plan = plans[0];
+    const bool in_rows = stage_a == a.a_by_in_row;  // which of the plan's rows the staged operand reads
+    const int64_t threads = plan.positions * (width / 8);
+    stage_weighted_rows<<<unsigned((threads + 255) / 256), 256, 0, stream>>>(
+        a.staging, plan, in_rows ? plan.in_row : plan.out_row, stage_a ? a.A : a.B, a.weight, a.n_experts, int(width));
+    MOEUT_CUDA_CHECK(cudaGetLastError());
+    (in_rows ? plan.in_by_position : plan.out_by_position) = true;
+    CvmmWeightGradArgs staged = a;
+    (stage_a ? staged.A : staged.B) = a.staging;
+    staged.weight = nullptr;
+    staged.staging = nullptr;
+    launch_weight_grad(&plan, &staged, 1, stream);
+    return;
+  }
   CUtensorMap maps[2] = {};
   for (int u = 0; u < uses && tma != kGatherBoth; ++u)
     maps[u] = tma == kTmaA ? tensor_map(args[u].A, a.K, plans[u].positions, WS)

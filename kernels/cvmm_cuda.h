@@ -155,6 +155,12 @@ struct CvmmWeightGradArgs {
   // dW_e = the sum instead of dW_e += it, experts without selections set to 0: a gradient's first
   // contribution, which then needs neither zeroing beforehand nor reading dW.
   bool overwrite = false;
+  // Scratch for the plan's positions x 128 bf16, or null. With it, a weighted product of one use
+  // whose operands are both gathered first lays out one operand of at most 128 columns (a
+  // multiple of 8; the narrower when both are) weighted and by position there: the kernel then
+  // brings that operand by tensor copies and weights neither, for the same bits (the attention
+  // experts' weight gradients: 1B step -5 ms, docs/PERFORMANCE.md v44 item 6).
+  __nv_bfloat16* staging = nullptr;
 };
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream);
 // Two uses of the same expert weights (two layers that share them) in one product: dW_e += the

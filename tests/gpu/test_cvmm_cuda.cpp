@@ -137,6 +137,14 @@ void check(const Shape& s) {
     EXPECT_LE(rel_error(to_float(gdHout.download()), dH_ref), 1e-2) << "down: input gradient";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "down: routing-weight gradient";
     EXPECT_LE(rel_error(gdWv.download(), dWv_ref), 1e-2) << "down: expert-weight gradient";
+    // Its selection rows weighted and laid out by position first (staging, poisoned): the kernel
+    // then copies them by tensor copies and weights nothing, for the same operands in shared
+    // memory, so the same bits.
+    DeviceBuffer<bf16> staging(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
+    DeviceBuffer<float> gdWv_staged(dWv_init);
+    cuda::cvmm_weight_grad(plan_down.view(), {gH.get(), gdY.get(), gw.get(), true, gdWv_staged.get(), es, d, E, false,
+                                              staging.get()}, 0);
+    EXPECT_EQ(gdWv_staged.download(), gdWv.download()) << "down: expert-weight gradient, its rows staged";
   }
   {  // The FFN's ReLU: up stores max(0, ·); the down input gradient is masked where those hidden
      // units are 0, and its routing-weight gradient dots with them (the GPU's own hidden units
