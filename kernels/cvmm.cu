@@ -939,6 +939,19 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
   }
 }
 
+// Eight bf16 values (16 bytes) times a routing weight, in fp32, rounded back to bf16: the
+// weight-gradient kernel's weighting of its copies, and stage_weighted_rows', which must agree
+// bit for bit.
+__device__ __forceinline__ uint4 weighted_chunk(uint4 v, float w) {
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(pairs[j]);
+    pairs[j] = __floats2bfloat162_rn(w * f.x, w * f.y);
+  }
+  return v;
+}
+
 // dW_e[k0.., n0..] += Σ_s A[a_row(s)][k]·w_s·B[b_row(s)][n]: a 128 (K) x 128 (N) tile per block,
 // two warpgroups of 64 K-rows each (wgmma m64n128k16, both operands MN-major: selections are the
 // reduction), selections taken 64 at a time through the pipeline. Each thread scales the A
@@ -1074,14 +1087,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
       // One 16-byte read and write per chunk: element-wise, the shared-memory traffic of this
       // pass outweighed the step's products (measured, docs/PERFORMANCE.md v8).
       uint4* chunk_at = reinterpret_cast<uint4*>(smem + stage * kStageBytes + chunk_offset(r));
-      uint4 v = *chunk_at;
-      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(pairs[j]);
-        pairs[j] = __floats2bfloat162_rn(wr * f.x, wr * f.y);
-      }
-      *chunk_at = v;
+      *chunk_at = weighted_chunk(*chunk_at, wr);
     }
   };
   look_up_selections(0);
@@ -1281,22 +1287,15 @@ void cvmm_selection_dots(float* dweight, const bf16* rows, const bf16* dot_rows,
 namespace {
 
 // staging[p] = weight[by_expert[p]] · src[rows[p]] for the live positions p (below the last
-// expert's end), rows of `width` bf16 (a multiple of 8), a thread per 8 columns: the weighting
-// of the weight-gradient kernel's copies (landed), bit for bit.
+// expert's end), rows of `width` bf16 (a multiple of 8), a thread per 8 columns, weighted as the
+// weight-gradient kernel weights its copies (weighted_chunk).
 __global__ void stage_weighted_rows(bf16* staging, const CvmmPlan plan, const int32_t* rows, const bf16* src,
                                     const float* weight, int64_t experts, int width) {
   const int per_row = width / 8;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, p = i / per_row, c = (i % per_row) * 8;
   if (p >= plan.expert_begin[experts]) return;
-  const float w = weight[plan.by_expert[p]];
-  uint4 v = *reinterpret_cast<const uint4*>(src + int64_t(rows[p]) * width + c);
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __bfloat1622float2(pairs[j]);
-    pairs[j] = __floats2bfloat162_rn(w * f.x, w * f.y);
-  }
-  *reinterpret_cast<uint4*>(staging + p * width + c) = v;
+  *reinterpret_cast<uint4*>(staging + p * width + c) =
+      weighted_chunk(*reinterpret_cast<const uint4*>(src + int64_t(rows[p]) * width + c), weight[plan.by_expert[p]]);
 }
 
 // The weight gradient over `uses` (1 or 2) plans and operands sharing dW.
