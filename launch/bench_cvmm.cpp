@@ -179,7 +179,9 @@ void attention_products(int64_t tokens, double peak, int reps, bool phases, bool
   auto Wv = random_device<bf16>(size_t(E * d * dh), rng, 0.05f), Wo = random_device<bf16>(size_t(E * dh * d), rng, 0.05f);
   cuda::DeviceBuffer<float> gw(w), Yf{size_t(tokens * d)}, heads_f{size_t(tokens * H * dh)}, dwf{size_t(sels)},
       dWv{size_t(E * d * dh)}, dWo{size_t(E * dh * d)};
-  cuda::DeviceBuffer<bf16> v_rows{size_t(sels * dh)}, values{size_t(tokens * H * dh)};
+  // The weight gradients' scratch, as the model gives it (CvmmWeightGradArgs::staging): their
+  // rows time the staging kernel and the product of the staged operand together.
+  cuda::DeviceBuffer<bf16> v_rows{size_t(sels * dh)}, values{size_t(tokens * H * dh)}, staging{size_t(sels * 128)};
   const cuda::DeviceBuffer<int32_t> v_index(v.expert);
   std::printf("attention experts: %lld tokens, %lld heads x %lld experts, top-%lld per head (%.0f rows per expert)\n",
               (long long)tokens, (long long)H, (long long)Ea, (long long)ka, double(sels) / double(E));
@@ -190,9 +192,9 @@ void attention_products(int64_t tokens, double peak, int reps, bool phases, bool
          cuda::cvmm_rows(cuda::at_selections(pv.view()), {X.get(), Wv.get(), nullptr, v_rows.get(), nullptr, nullptr, nullptr, d, dh, false, false}, 0);
          cuda::cvmm_sum_selections(values.get(), v_rows.get(), gw.get(), v_index.get(), tokens * H, ka, dh, 0); }},
       {"o       [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(po.view(), o_args, 0); }},
-      {"o dW    [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(po.view(), {heads.get(), dY.get(), gw.get(), true, dWo.get(), dh, d, E}, 0); }},
+      {"o dW    [128,m]x[m,1536]     staged", [&] { cuda::cvmm_weight_grad(po.view(), {heads.get(), dY.get(), gw.get(), true, dWo.get(), dh, d, E, false, staging.get()}, 0); }},
       {"o dX    [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(po.view(true), {dY.get(), Wo.get(), gw.get(), nullptr, heads_f.get(), dwf.get(), heads.get(), d, dh, true, true, tokens * H}, 0); }},
-      {"v dW    [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pv.view(), {X.get(), dv.get(), gw.get(), true, dWv.get(), d, dh, E}, 0); }},
+      {"v dW    [1536,m]x[m,128]     staged", [&] { cuda::cvmm_weight_grad(pv.view(), {X.get(), dv.get(), gw.get(), true, dWv.get(), d, dh, E, false, staging.get()}, 0); }},
       {"v dX    [m,128]x[128,1536]   scatter+dots", [&] {
          cuda::cvmm_rows(pv.view(true), v_dx_args, 0);
          cuda::cvmm_selection_dots(dwf.get(), v_rows.get(), dv.get(), v_index.get(), sels, ka, dh, 0); }},
