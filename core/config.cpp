@@ -60,6 +60,8 @@ po::options_description train_options(TrainConfig& t) {
       ("adam_beta2", po::value(&t.adam_beta2)->default_value(t.adam_beta2), "AdamW beta2")
       ("adam_eps", po::value(&t.adam_eps)->default_value(t.adam_eps), "AdamW epsilon")
       ("grad_clip", po::value(&t.grad_clip)->default_value(t.grad_clip), "global gradient-norm clip (0: off)")
+      ("grad_jump_factor", po::value(&t.grad_jump_factor)->default_value(t.grad_jump_factor),
+       "report each tensor's gradient norm at a step whose norm exceeds this multiple of the recent median (0: off)")
       ("seed", po::value(&t.seed)->default_value(t.seed), "seed of initialisation and data order")
       ("eval_every", po::value(&t.eval_every)->default_value(t.eval_every), "steps between validation reports (0: off)")
       ("eval_batches", po::value(&t.eval_batches)->default_value(t.eval_batches), "validation micro-batches per periodic report")
@@ -134,6 +136,7 @@ void validate(const Config& c) {
   require_range("adam_beta2", t.adam_beta2, 0, 0.999999999, "must be in [0, 1)");
   require_range("adam_eps", t.adam_eps, 1e-300, INFINITY, "must be finite and > 0");
   require_range("grad_clip", t.grad_clip, 0, INFINITY, "must be finite and >= 0 (0 disables clipping)");
+  if (t.grad_jump_factor != 0) require_range("grad_jump_factor", t.grad_jump_factor, 1, INFINITY, "must be 0 (off) or finite and >= 1");
   if (t.eval_every < 0) fail("eval_every", "must be >= 0 (0 disables)");
   require_positive("eval_batches", t.eval_batches);
   if (t.threads < 0) fail("threads", "must be >= 0 (0: OpenMP default)");

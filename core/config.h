@@ -56,6 +56,9 @@ struct TrainConfig {
   double adam_beta2 = 0.999;
   double adam_eps = 1e-8;
   double grad_clip = 0.25;       // global L2 norm; 0 disables
+  // A step whose gradient norm exceeds this multiple of the median of the previous steps' is
+  // reported with each tensor's gradient norm; 0 disables.
+  double grad_jump_factor = 0;
   uint64_t seed = 1;
   int64_t eval_every = 50;       // steps between validation reports; 0 disables
   int64_t eval_batches = 8;      // micro-batches of the validation file per periodic report

@@ -26,6 +26,7 @@ class CpuBackend final : public TrainingBackend {
   }
   double forward_ce_sum(const int32_t* tokens, int64_t B) override { return model_.forward_ce_sum(tokens, B); }
   double step(double lr, const TrainConfig& t) override { return optimizer_.step(model_.params, model_.grads, lr, t); }
+  std::vector<double> gradient_square_sums() override { return optimizer_.tensor_square_sums(model_.layout()); }
   std::vector<float> parameters() override { return model_.params; }
   int64_t optimizer_state_bytes() const override { return optimizer_.state_bytes(); }
   const ZeroPartition& partition() const override { return optimizer_.partition(); }

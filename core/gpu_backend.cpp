@@ -69,6 +69,9 @@ class GpuBackend final : public TrainingBackend {
     return 0.0;
   }
   double step(double lr, const TrainConfig& t) override { return optimizer_->step(model_.working(), model_.grads(), lr, t); }
+  std::vector<double> gradient_square_sums() override {
+    return optimizer_->tensor_square_sums(model_.layout(), model_.grads());
+  }
   std::vector<float> parameters() override { return optimizer_->parameters(); }
   int64_t optimizer_state_bytes() const override { return optimizer_->state_bytes(); }
   const ZeroPartition& partition() const override { return optimizer_->partition(); }

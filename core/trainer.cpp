@@ -2,10 +2,12 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <numeric>
 
 #include "core/rng.h"
 #include "core/schedule.h"
@@ -139,6 +141,7 @@ double Trainer::run() {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     losses_.push_back(loss.total());
     log_step(step + 1, loss, lr, norm, seconds, {comm, backend_->dispatch_bytes() - dispatched});
+    report_gradient_jump(step + 1, norm);
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps)
       log_validation(step + 1, validation_loss(t.eval_batches * micro), false);
     if (after_step_) after_step_(step + 1);
@@ -191,6 +194,40 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
                 (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr, grad_norm, tokens_per_s,
                 traffic.comm_seconds, (long long)traffic.dispatch_bytes);
   metrics_ << line << std::flush;
+}
+
+void Trainer::report_gradient_jump(int64_t step, double grad_norm) {
+  constexpr size_t kWindow = 20, kFewest = 10;  // steps the median is taken over, and needs
+  const double factor = cfg_.train.grad_jump_factor;
+  if (factor <= 0) return;
+  std::vector<double> sorted = recent_norms_;
+  if (recent_norms_.size() == kWindow) recent_norms_.erase(recent_norms_.begin());
+  recent_norms_.push_back(grad_norm);
+  if (sorted.size() < kFewest) return;
+  std::nth_element(sorted.begin(), sorted.begin() + ptrdiff_t(sorted.size() / 2), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  if (!(grad_norm > factor * median)) return;
+  std::vector<double> sums = backend_->gradient_square_sums();
+  groups_.world->all_reduce_sum(std::span<double>(sums));
+  if (!leader()) return;
+  const std::vector<TensorSpec>& tensors = backend_->layout().tensors();
+  std::vector<size_t> order(tensors.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sums[a] > sums[b]; });
+  std::printf("gradient norm jump at step %lld: %.4g, %.1fx the median %.4g of the %zu steps before; largest by tensor:",
+              (long long)step, grad_norm, grad_norm / median, median, sorted.size());
+  for (size_t i = 0; i < std::min<size_t>(6, order.size()); ++i)
+    std::printf(" %s %.3g%s", tensors[order[i]].name.c_str(), std::sqrt(sums[order[i]]), i < 5 ? "," : "");
+  std::printf("\n");
+  std::fflush(stdout);
+  std::string line = "{\"step\": " + std::to_string(step) + ", \"grad_norm_jump\": " + std::to_string(grad_norm) +
+                     ", \"tensor_grad_norms\": {";
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    char value[64];
+    std::snprintf(value, sizeof value, "%s\"%s\": %.6g", t ? ", " : "", tensors[t].name.c_str(), std::sqrt(sums[t]));
+    line += value;
+  }
+  metrics_ << line << "}}\n" << std::flush;
 }
 
 void Trainer::log_validation(int64_t step, double loss, bool final) {

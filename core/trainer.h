@@ -67,6 +67,10 @@ class Trainer {
   };
   void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds, const Traffic& traffic);
   void log_validation(int64_t step, double loss, bool final);
+  // When this step's gradient norm jumped (TrainConfig::grad_jump_factor against the median of
+  // the norms before it), logs each tensor's gradient norm (a collective: every rank decides
+  // alike, from the same global norms).
+  void report_gradient_jump(int64_t step, double grad_norm);
   double validation_loss(int64_t max_windows);
   bool leader() const { return groups_.world->rank() == 0; }
 
@@ -77,6 +81,7 @@ class Trainer {
   std::unique_ptr<TrainingBackend> backend_;
   std::ofstream metrics_;
   std::vector<double> losses_;
+  std::vector<double> recent_norms_;  // the last steps' gradient norms, for report_gradient_jump
   int64_t start_step_ = 0;
   std::function<void(int64_t)> after_step_;
 };

@@ -24,6 +24,9 @@ class TrainingBackend {
   virtual double forward_ce_sum(const int32_t* tokens, int64_t B) = 0;
   // One optimizer step at learning rate lr; returns the global gradient norm before clipping.
   virtual double step(double lr, const TrainConfig& t) = 0;
+  // Per tensor of layout(), this rank's share of the squared norm of the last step's gradient
+  // (before clipping); summed over the world's ranks, each tensor's squared gradient norm.
+  virtual std::vector<double> gradient_square_sums() = 0;
   virtual std::vector<float> parameters() = 0;  // in layout() order
   virtual int64_t optimizer_state_bytes() const = 0;
   virtual int64_t dispatch_bytes() const { return 0; }  // expert-parallel token traffic sent so far

@@ -6,5 +6,5 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 MOEUT_BUILD_DIR=build-gpu MOEUT_CMAKE_ARGS="-DMOEUT_PORTABLE=ON -DMOEUT_CUDA=ON" \
-  "$root/launch/build.sh" moeut_gpu_tests moeut_gpu_mpi_tests moeut-bench-cvmm moeut-bench-scatter-floor moeut-bench moeut-train moeut-eval
+  "$root/launch/build.sh" moeut_gpu_tests moeut_gpu_mpi_tests moeut-bench-cvmm moeut-bench-scatter-floor moeut-bench moeut-train moeut-eval moeut-grad-compare
 echo "$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown), built $(date -u +%FT%TZ)" > "$root/build-gpu/source.txt"

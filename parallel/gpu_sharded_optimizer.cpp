@@ -59,6 +59,16 @@ double GpuShardedAdamW::step(__nv_bfloat16* working, float* grads, double lr, co
   return norm;
 }
 
+std::vector<double> GpuShardedAdamW::tensor_square_sums(const ParamLayout& layout, const float* grads) {
+  cuda::DeviceBuffer<double> sums(layout.tensors().size());
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(sums.get(), 0, sums.size() * sizeof(double), stream_));
+  for_each_owned_piece(layout, partition_, [&](size_t t, int64_t offset, int64_t, int64_t count) {
+    cuda::sum_of_squares(sums.get() + t, grads + offset, count, stream_);
+  });
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return sums.download();
+}
+
 OptimizerShard GpuShardedAdamW::shard() const {
   MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return {master_.download(), m_.download(), v_.download(), steps_};

@@ -27,6 +27,10 @@ class GpuShardedAdamW {
   // the updated working copy on every rank; returns the global norm before clipping (one
   // device-to-host read).
   double step(__nv_bfloat16* working, float* grads, double lr, const TrainConfig& t);
+  // Per tensor of `layout`, the sum of squares of this rank's chunks of the summed gradient of
+  // the last step (grads as step() left it: each owned chunk keeps its sum until the next
+  // backward pass). Summed over the world's ranks, the squares of the tensors' gradient norms.
+  std::vector<double> tensor_square_sums(const ParamLayout& layout, const float* grads);
   int64_t state_bytes() const { return 3 * partition_.owned_elements() * int64_t(sizeof(float)); }
   const ZeroPartition& partition() const { return partition_; }
   OptimizerShard shard() const;

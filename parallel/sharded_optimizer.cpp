@@ -36,6 +36,14 @@ double ShardedAdamW::step(std::span<float> params, std::span<float> grads, doubl
   return norm;
 }
 
+std::vector<double> ShardedAdamW::tensor_square_sums(const ParamLayout& layout) const {
+  std::vector<double> sums(layout.tensors().size(), 0.0);
+  for_each_owned_piece(layout, partition_, [&](size_t t, int64_t, int64_t state_offset, int64_t count) {
+    sums[t] += sum_of_squares(grad_shard_.data() + state_offset, count);
+  });
+  return sums;
+}
+
 void ShardedAdamW::all_gather(std::span<float> params) {
   for (const ZeroBucket& b : partition_.buckets())
     comm(b).all_gather_v(params.subspan(size_t(b.offset), size_t(b.length)), b.chunks);

@@ -23,6 +23,9 @@ class ShardedAdamW {
   // parameters on every rank. grads holds this rank's gradient (summed over its micro-batches)
   // on entry and is undefined afterwards. Returns the global norm before clipping.
   double step(std::span<float> params, std::span<float> grads, double lr, const TrainConfig& t);
+  // Per tensor of `layout`, the sum of squares of this rank's chunks of the last step's summed
+  // gradient; summed over the world's ranks, the squares of the tensors' gradient norms.
+  std::vector<double> tensor_square_sums(const ParamLayout& layout) const;
   int64_t state_bytes() const { return int64_t((m_.size() + v_.size()) * sizeof(float)); }
   int64_t steps_taken() const { return steps_; }
   const ZeroPartition& partition() const { return partition_; }

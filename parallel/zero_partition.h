@@ -67,4 +67,19 @@ inline void ZeroPartition::add_range(int64_t begin, int64_t end, ZeroGroup group
   }
 }
 
+// Calls fn(tensor, offset, state_offset, count) for each piece of a tensor of `layout` that lies
+// in this rank's chunks: `tensor` indexes layout.tensors(), `offset` is the piece's start in the
+// parameter buffer and `state_offset` in the concatenation of this rank's chunks.
+template <typename Fn>
+void for_each_owned_piece(const ParamLayout& layout, const ZeroPartition& partition, Fn fn) {
+  const std::vector<TensorSpec>& tensors = layout.tensors();
+  for (const ZeroBucket& b : partition.buckets()) {
+    const int64_t begin = b.offset + b.mine_offset, end = begin + b.mine;
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      const int64_t lo = std::max(begin, tensors[t].offset), hi = std::min(end, tensors[t].offset + tensors[t].numel);
+      if (lo < hi) fn(t, lo, b.state_offset + (lo - begin), hi - lo);
+    }
+  }
+}
+
 }  // namespace moeut

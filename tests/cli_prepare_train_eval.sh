@@ -37,4 +37,29 @@ if "$bin/moeut-eval" --weights "$work/weights.h5" --data "$work/text.txt" --cont
   echo "FAIL: a text file was accepted as token data"; exit 1
 fi
 grep -q "text.txt: bad magic" "$work/err.txt" || { echo "FAIL: unclear error:"; cat "$work/err.txt"; exit 1; }
+# --grad_jump_factor: the steps it reports are exactly those whose norm exceeds the factor times the
+# median of the (up to 20) steps before, once 10 are there, each with every tensor's norm, which
+# together make the step's norm.
+"$bin/moeut-train" --config "$(dirname "$0")/../configs/tiny.cfg" --n_tokens 48 --d_model 32 --n_heads 2 \
+  --d_head 16 --ff_n_experts 8 --ff_k 2 --ff_expert_size 16 --context 32 --steps 24 --batch_size 4 \
+  --micro_batch_size 2 --eval_every 0 --threads 1 --grad_jump_factor 1.5 --lr 1e-1 \
+  --train_data "$work/data/train.bin" --val_data "$work/data/val.bin" \
+  --out_weights "$work/jumps.h5" --metrics "$work/jumps.jsonl" > "$work/jumps.txt"
+python3 - "$work/jumps.jsonl" "$work/jumps.txt" <<'PY'
+import json, math, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+norms = {r["step"]: r["grad_norm"] for r in rows if "loss" in r}
+reported = {r["step"]: r for r in rows if "grad_norm_jump" in r}
+steps = sorted(norms)
+def median(values):  # the upper one of an even count, as the trainer takes it
+    return sorted(values)[len(values) // 2]
+expected = {s for i, s in enumerate(steps) if i >= 10 and norms[s] > 1.5 * median([norms[t] for t in steps[max(0, i - 20):i]])}
+assert set(reported) == expected and expected, f"reported {sorted(reported)}, rule gives {sorted(expected)}"
+for s, r in reported.items():
+    total = math.sqrt(sum(v * v for v in r["tensor_grad_norms"].values()))
+    assert abs(total - norms[s]) <= 1e-5 * norms[s], f"step {s}: tensors {total}, step {norms[s]}"
+printed = sum(line.startswith("gradient norm jump at step") for line in open(sys.argv[2]))
+assert printed == len(expected), f"{printed} lines printed for {len(expected)} jumps"
+print(f"gradient jumps reported at steps {sorted(reported)}")
+PY
 echo "PASS: validation loss $trained reproduced by moeut-eval"

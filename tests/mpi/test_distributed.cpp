@@ -166,5 +166,31 @@ TEST(ShardedOptimizer, StateFallsAsOneOverTheDataParallelDegree) {
   }
 }
 
+TEST(ShardedOptimizer, TensorGradientNormsSumOverTheRanksToTheGlobalNorm) {
+  // Every rank adds the same gradient, so the summed one is world_size() times it. Buckets of
+  // 1000 elements cut tensors across buckets and ranks: each tensor's pieces, summed over the
+  // ranks, give its norm, and the tensors' norms the global one that step() returns.
+  Config c = small_run();
+  const ParamLayout layout(c.model);
+  const ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, 1);
+  ShardedAdamW opt(layout, groups, 1000);
+  std::vector<float> params(size_t(layout.total()), 0.f), grads(size_t(layout.total()));
+  for (size_t i = 0; i < grads.size(); ++i) grads[i] = float(int64_t(i % 17) - 8) / 8.f;
+  const std::vector<float> local = grads;
+  const double norm = opt.step(params, grads, 1e-3, c.train);
+  std::vector<double> sums = opt.tensor_square_sums(layout);
+  groups.world->all_reduce_sum(std::span<double>(sums));
+  double total = 0;
+  for (size_t t = 0; t < layout.tensors().size(); ++t) {
+    const TensorSpec& spec = layout.tensors()[t];
+    double expected = 0;
+    for (int64_t i = spec.offset; i < spec.offset + spec.numel; ++i)
+      expected += double(local[size_t(i)]) * local[size_t(i)] * world_size() * world_size();
+    EXPECT_NEAR(sums[t], expected, 1e-9 * expected + 1e-12) << spec.name;
+    total += sums[t];
+  }
+  EXPECT_NEAR(std::sqrt(total), norm, 1e-9 * norm);
+}
+
 }  // namespace
 }  // namespace moeut

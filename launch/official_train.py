@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Trains the official PyTorch MoEUT (a local copy of its `moeut` package, never part of this
+repository) with the recipe of launch/gpu-seed-sweep.sh on the project's token files, and writes
+metrics in moeut-train's format, so that launch/seed_verdicts.py judges both alike.
+
+  python3 launch/official_train.py --package DIR --config configs/126M.cfg --train_data ... \
+      --val_data ... --seed 1 --metrics out/seed1.jsonl [--steps 500 --lr 1e-3 ...]
+
+bf16 autocast, AdamW (fused) with weight decay on every parameter, global norm clip, linear
+warm-up then cosine to min_lr_ratio (core/schedule.cpp), batches of random windows, final
+validation over every whole window of the validation file.
+"""
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def read_config(path):
+    cfg = {}
+    for line in pathlib.Path(path).read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "=" in line:
+            k, v = (s.strip() for s in line.split("=", 1))
+            cfg[k] = v
+    return cfg
+
+
+def read_tokens(path):
+    raw = pathlib.Path(path).read_bytes()
+    count = int.from_bytes(raw[24:32], "little")
+    width = int.from_bytes(raw[16:20], "little")
+    return np.frombuffer(raw, dtype=np.uint16 if width == 2 else np.uint32, offset=32, count=count).astype(np.int64)
+
+
+def learning_rate(step, a):
+    if step < a.warmup_steps:
+        return a.lr * (step + 1) / a.warmup_steps
+    decay = max(1, a.steps - a.warmup_steps - 1)
+    progress = min(1.0, (step - a.warmup_steps) / decay)
+    return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--package", required=True, help="folder holding the official `moeut` package")
+    p.add_argument("--config", required=True)
+    p.add_argument("--train_data", required=True)
+    p.add_argument("--val_data", required=True)
+    p.add_argument("--metrics", required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup_steps", type=int, default=50)
+    p.add_argument("--min_lr_ratio", type=float, default=0.1)
+    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--grad_clip", type=float, default=0.25)
+    a = p.parse_args()
+    sys.path.insert(0, a.package)
+    from moeut import MoEUTLM
+
+    c = read_config(a.config)
+    T = int(c["context"])
+    torch.manual_seed(a.seed)
+    model = MoEUTLM(n_tokens=int(c["n_tokens"]), d_model=int(c["d_model"]), n_layers=int(c["n_layers"]),
+                    n_heads=int(c["n_heads"]), ff_n_experts=int(c["ff_n_experts"]),
+                    att_n_experts=int(c["att_n_experts"]), d_head=int(c["d_head"]), group_size=int(c["group_size"]),
+                    ff_k=int(c["ff_k"]), att_k=int(c["att_k"]), ff_expert_size=int(c["ff_expert_size"]),
+                    entropy_reg=float(c["entropy_reg"]), att_entropy_reg=float(c["att_entropy_reg"])).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay,
+                            fused=True)
+    train = torch.from_numpy(read_tokens(a.train_data))
+    val = torch.from_numpy(read_tokens(a.val_data))
+    rng = np.random.default_rng(a.seed)
+    out = open(a.metrics, "w")
+    for step in range(a.steps):
+        starts = rng.integers(0, len(train) - T - 1, a.batch_size)
+        batch = torch.stack([train[s:s + T + 1] for s in starts]).cuda()
+        lr = learning_rate(step, a)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            res = model(batch[:, :-1])
+            ce = F.cross_entropy(res.outputs.flatten(0, 1).float(), batch[:, 1:].flatten())
+            loss = ce + res.reg_loss.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip))
+        opt.step()
+        row = {"step": step + 1, "loss": float(loss), "ce": float(ce), "lr": lr, "grad_norm": norm}
+        out.write(json.dumps(row) + "\n")
+        if (step + 1) % 50 == 0:
+            print(f"step {step + 1} | loss {float(loss):.4f} | grad_norm {norm:.4f}", flush=True)
+    model.eval()
+    windows = (len(val) - 1) // T
+    total = 0.0
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for w in range(0, windows, 8):
+            chunk = torch.stack([val[i * T:i * T + T + 1] for i in range(w, min(windows, w + 8))]).cuda()
+            logits = model(chunk[:, :-1]).outputs.float()
+            total += float(F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
+    val_loss = total / (windows * T)
+    out.write(json.dumps({"step": a.steps, "val_loss": val_loss, "val_ppl": math.exp(val_loss), "final": True}) + "\n")
+    print(f"final validation step {a.steps} | val_loss {val_loss:.6f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The seed-sweep script (launch/gpu-seed-sweep.sh) and its verdicts (launch/seed_verdicts.py)
+# with a stand-in moeut-train and nvidia-smi, so that a broken sweep is found where CI runs, not
+# in a device call. Checks: the recipe and extra options reach every run; runs spread over the
+# GPUs; a trained, a collapsed, a stopped and a trained-but-high seed each get their verdict and
+# the sweep fails; a sweep of trained seeds passes; the runs' files come back packed.
+# Usage: seed_sweep.sh WORK_DIR
+set -euo pipefail
+work=$1
+root=$(cd "$(dirname "$0")/.." && pwd)
+rm -rf "$work" && mkdir -p "$work/bin/launch" "$work/path" "$work/data"
+fail() { echo "FAIL: $*"; exit 1; }
+touch "$work/data/train.bin" "$work/data/val.bin"
+printf '#!/bin/sh\necho "GPU 0: stand-in"\necho "GPU 1: stand-in"\n' > "$work/path/nvidia-smi"
+# The stand-in trainer: seed 1 trains, 2 collapses after step 20, 3 stops at step 30 without a
+# final validation, 4 trains but ends above the bound. It records its GPU and arguments.
+cat > "$work/bin/launch/moeut-train" <<'SH'
+#!/bin/sh
+seed=0 metrics= all="$*"
+while [ $# -gt 0 ]; do
+  case $1 in --seed) seed=$2 ;; --metrics) metrics=$2 ;; esac
+  shift
+done
+echo "gpu $CUDA_VISIBLE_DEVICES args $all" >> "$(dirname "$metrics")/../../calls.txt"
+: > "$metrics"
+for s in $(seq 1 60); do
+  loss=$(awk -v s="$s" -v seed="$seed" 'BEGIN { l = 9 - s / 10; if (seed == 2 && s > 20) l = 7 + (s - 20) / 20; printf "%.3f", l }')
+  echo "{\"step\": $s, \"loss\": $loss, \"grad_norm\": 1.5}" >> "$metrics"
+  [ "$seed" = 3 ] && [ "$s" = 30 ] && { echo "step 30: loss is not finite"; exit 1; }
+done
+val=4.6; [ "$seed" = 2 ] && val=6.7; [ "$seed" = 4 ] && val=4.8
+echo "{\"step\": 60, \"val_loss\": $val, \"val_ppl\": 100, \"final\": true}" >> "$metrics"
+SH
+chmod +x "$work/bin/launch/moeut-train" "$work/path/nvidia-smi"
+export PATH="$work/path:$PATH" BIN="$work/bin" DATA="$work/data"
+
+status=0
+out=$(OUT="$work/out" SEEDS="1 2 3 4" "$root/launch/gpu-seed-sweep.sh" mixed --lr_extra_check 7 2>&1) || status=$?
+[ "$status" = 1 ] || fail "a sweep with diverged seeds exits $status, not 1 ($out)"
+# verdict SEED: the verdict column (after seed, steps, final val, last loss, max grad norm @step).
+verdict() { grep -E "^ +$1 " "$work/out/mixed.txt" | awk '{ $1 = $2 = $3 = $4 = $5 = $6 = ""; sub(/^ +/, ""); print }'; }
+[ "$(verdict 1)" = "trained" ] || fail "seed 1: $(verdict 1)"
+verdict 2 | grep -q "^diverged (loss rose" || fail "seed 2: $(verdict 2)"
+[ "$(verdict 3)" = "diverged (stopped)" ] || fail "seed 3: $(verdict 3)"
+[ "$(verdict 4)" = "trained, above 4.7" ] || fail "seed 4: $(verdict 4)"
+grep -q "^1 of 4 trained" "$work/out/mixed.txt" || fail "summary line ($(tail -1 "$work/out/mixed.txt"))"
+[ "$(grep -c -- "--lr 1e-3 --warmup_steps 50 .*--grad_clip 0.25 .*--lr_extra_check 7" "$work/calls.txt")" = 4 ] ||
+  fail "the recipe or the extra options missed a run ($(cat "$work/calls.txt"))"
+[ "$(grep -c "^gpu 0 " "$work/calls.txt")" = 2 ] && [ "$(grep -c "^gpu 1 " "$work/calls.txt")" = 2 ] ||
+  fail "runs not spread over the two GPUs"
+tar -tzf "$work/out/mixed.tgz" | grep -q "mixed/seed3.log" || fail "logs not packed"
+[ ! -d "$work/out/mixed" ] || fail "the packed folder was left"
+
+OUT="$work/out" SEEDS="1 5" LR=2e-3 "$root/launch/gpu-seed-sweep.sh" good > /dev/null 2>&1 || fail "a sweep of trained seeds failed"
+grep -q -- "--lr 2e-3" "$work/calls.txt" || fail "LR did not reach the runs"
+grep -q "^2 of 2 trained; final validation median 4.6000" "$work/out/good.txt" || fail "good sweep: $(cat "$work/out/good.txt")"
+echo "seed sweep script: ok"
