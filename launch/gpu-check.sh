@@ -3,15 +3,18 @@
 # (BIN, environment: their build folder, default build-gpu; a folder that launch/gpu-pack.sh
 # filled serves for the tests and the training steps). PARTS (environment): which of "tests
 # kernels steps" run (default all three, about 8 minutes; "tests steps", the PERFORMANCE table
-# alone, about 4). Logs go under $OUT (the device tool brings them back, 8 files at most: this
-# writes 6). Exit status: failed steps.
+# alone, about 4), or "seeds", the seed sweep (launch/gpu-seed-sweep.sh: 8 seeds of the 126M
+# recipe, about 2 minutes on 4 GPUs, 5 on one; it fails when a seed diverges or ends above 4.70).
+# Logs go under $OUT (the device tool brings them back, 8 files at most: this writes 6, the
+# sweep 2 more). Exit status: failed steps.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${BIN:-$root/build-gpu}
 out=${OUT:-/tmp/moeut-gpu-check}
 parts=" ${PARTS:-tests kernels steps} "
 for part in $parts; do
-  [[ " tests kernels steps " == *" $part "* ]] || { echo "PARTS: unknown part '$part' (tests kernels steps)" >&2; exit 2; }
+  [[ " tests kernels steps seeds " == *" $part "* ]] ||
+    { echo "PARTS: unknown part '$part' (tests kernels steps seeds)" >&2; exit 2; }
 done
 runs() { [[ "$parts" == *" $1 "* ]]; }
 mkdir -p "$out"
@@ -48,4 +51,5 @@ training_steps() {
   return $status
 }
 if runs steps; then step bench_steps training_steps; fi
+if runs seeds; then step seed_sweep env BIN="$bin" OUT="$out" "$root/launch/gpu-seed-sweep.sh" seeds; fi
 exit $failed

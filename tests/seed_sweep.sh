@@ -4,6 +4,7 @@
 # in a device call. Checks: the recipe and extra options reach every run; runs spread over the
 # GPUs; a trained, a collapsed, a stopped and a trained-but-high seed each get their verdict and
 # the sweep fails; a sweep of trained seeds passes; the runs' files come back packed.
+# gpu-check.sh PARTS=seeds runs it and fails with it.
 # Usage: seed_sweep.sh WORK_DIR
 set -euo pipefail
 work=$1
@@ -54,4 +55,9 @@ tar -tzf "$work/out/mixed.tgz" | grep -q "mixed/seed3.log" || fail "logs not pac
 OUT="$work/out" SEEDS="1 5" LR=2e-3 "$root/launch/gpu-seed-sweep.sh" good > /dev/null 2>&1 || fail "a sweep of trained seeds failed"
 grep -q -- "--lr 2e-3" "$work/calls.txt" || fail "LR did not reach the runs"
 grep -q "^2 of 2 trained; final validation median 4.6000" "$work/out/good.txt" || fail "good sweep: $(cat "$work/out/good.txt")"
+# gpu-check.sh's "seeds" part runs the sweep from its BIN and fails with it.
+status=0
+out=$(OUT="$work/check" SEEDS="1 2" PARTS=seeds "$root/launch/gpu-check.sh" 2>&1) || status=$?
+[ "$status" = 1 ] || fail "gpu-check seeds: exit status $status with a diverged seed ($out)"
+grep -q "^1 of 2 trained" "$work/check/seeds.txt" || fail "gpu-check seeds: no verdicts ($out)"
 echo "seed sweep script: ok"
