@@ -271,13 +271,18 @@ void setup_checkpoints(Trainer& trainer) {
   Communicator& world = *groups.world;
   const bool leader = world.rank() == 0;
   int64_t start = 0;
-  if (!t.resume.empty()) {
-    std::string dir = t.resume;
-    agree(world, [&] {
-      if (t.resume != "latest") return;
-      dir = latest_checkpoint(t.checkpoint_dir);
-      if (dir.empty()) fail(t.checkpoint_dir, "--resume latest: no complete checkpoint (step_<N>/manifest.h5) here");
-    });
+  std::string dir = t.resume;
+  agree(world, [&] {
+    if (t.resume != "latest" && t.resume != "auto") return;
+    dir = latest_checkpoint(t.checkpoint_dir);
+    if (dir.empty() && t.resume == "latest")
+      fail(t.checkpoint_dir, "--resume latest: no complete checkpoint (step_<N>/manifest.h5) here");
+  });
+  if (dir.empty() && leader && t.resume == "auto") {
+    std::printf("--resume auto: no complete checkpoint in %s, starting fresh\n", t.checkpoint_dir.c_str());
+    std::fflush(stdout);
+  }
+  if (!dir.empty()) {
     const auto begin = std::chrono::steady_clock::now();
     const Manifest m = load_checkpoint(dir, c, groups, trainer.backend());
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
@@ -308,7 +313,7 @@ void setup_checkpoints(Trainer& trainer) {
   trainer.after_step([&trainer, &groups, leader](int64_t step) {
     const Config& c = trainer.config();
     const TrainConfig& t = c.train;
-    if (!(step == t.steps || (t.checkpoint_every > 0 && step % t.checkpoint_every == 0))) return;
+    if (!(step == t.steps || trainer.stopping() || (t.checkpoint_every > 0 && step % t.checkpoint_every == 0))) return;
     const SaveReport r = save_checkpoint(t.checkpoint_dir, step, t.keep_checkpoints, c, groups, trainer.backend());
     if (!leader) return;
     std::printf("checkpoint step %lld -> %s | %lld files, %.2f MB | %.3f s | %.3f GB/s\n", (long long)step,

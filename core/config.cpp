@@ -75,7 +75,11 @@ po::options_description train_options(TrainConfig& t) {
        "steps between checkpoints (0: only at the end)")
       ("keep_checkpoints", po::value(&t.keep_checkpoints)->default_value(t.keep_checkpoints),
        "newest checkpoints kept in checkpoint_dir (0: all)")
-      ("resume", po::value(&t.resume), "continue from a checkpoint: a step_<N> directory, or latest (in checkpoint_dir)");
+      ("resume", po::value(&t.resume),
+       "continue from a checkpoint: a step_<N> directory, latest (the newest in checkpoint_dir), or auto (the newest, "
+       "or a fresh start when there is none)")
+      ("time_limit", po::value(&t.time_limit)->default_value(t.time_limit),
+       "wall-clock seconds the run may take: it saves a checkpoint and stops (exit status 75) before them (0: none)");
   return o;
 }
 
@@ -152,7 +156,9 @@ void validate(const Config& c) {
   if (t.keep_checkpoints < 0) fail("keep_checkpoints", "must be >= 0 (0: keep all)");
   if (t.checkpoint_dir.empty() && (t.checkpoint_every > 0 || t.keep_checkpoints > 0))
     fail(t.checkpoint_every > 0 ? "checkpoint_every" : "keep_checkpoints", "needs checkpoint_dir");
-  if (t.resume == "latest" && t.checkpoint_dir.empty()) fail("resume", "latest needs checkpoint_dir");
+  if ((t.resume == "latest" || t.resume == "auto") && t.checkpoint_dir.empty())
+    fail("resume", t.resume + " needs checkpoint_dir");
+  require_range("time_limit", t.time_limit, 0, INFINITY, "must be finite and >= 0 (0: no limit)");
 }
 
 bool parse_train_args(int argc, const char* const* argv, Config& out) {

@@ -70,7 +70,12 @@ struct TrainConfig {
   std::string checkpoint_dir;    // where step_<N>/ directories go; empty: no checkpoints
   int64_t checkpoint_every = 0;  // steps between checkpoints; 0: only at the end
   int64_t keep_checkpoints = 0;  // the newest checkpoints kept; 0: all
-  std::string resume;            // a step_<N> directory, or "latest" (the newest in checkpoint_dir)
+  // A step_<N> directory; "latest", the newest in checkpoint_dir; or "auto", the newest there
+  // or a fresh start when there is none (what a requeued job passes every time).
+  std::string resume;
+  // Seconds of wall clock the run may take: it saves and stops (kExitStopped) while twice its
+  // longest step (validation and saves included) still fits; 0: no limit.
+  double time_limit = 0;
 };
 
 struct Config {

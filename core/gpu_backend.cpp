@@ -1,5 +1,9 @@
 #include <mpi.h>
 
+#include <algorithm>
+#include <array>
+#include <vector>
+
 #include "core/gpu_model.h"
 #include "core/training_backend.h"
 #include "kernels/cuda_check.h"
@@ -10,30 +14,54 @@
 namespace moeut {
 namespace {
 
-// One GPU per rank, chosen by the rank's index among the ranks of its node. Every rank learns
-// whether every node has enough GPUs before any of them starts work, so all refuse together.
+// One GPU per rank. A rank that sees as many GPUs as its node has ranks or more (the scheduler
+// shows every rank all of them) takes the one of its index among the node's ranks; a rank that
+// sees exactly one (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per rank) takes that
+// one. The node's ranks then compare their GPUs' UUIDs: two ranks on one GPU are refused. Every
+// rank learns the outcome before any starts work, so all refuse together.
 void select_local_gpu(const ProcessGroups& groups) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
-  int local_rank = 0, local_ranks = 1, ok = 1;
   auto* world = dynamic_cast<MpiCommunicator*>(groups.world.get());
-  if (world) {
-    MPI_Comm node = MPI_COMM_NULL;
-    if (MPI_Comm_split_type(world->comm(), MPI_COMM_TYPE_SHARED, world->rank(), MPI_INFO_NULL, &node) != MPI_SUCCESS)
-      throw CommError("MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) failed on rank " + std::to_string(world->rank()));
-    MPI_Comm_rank(node, &local_rank);
-    MPI_Comm_size(node, &local_ranks);
-    MPI_Comm_free(&node);
-    ok = devices >= local_ranks ? 1 : 0;
-    int all_ok = ok;
-    if (MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, world->comm()) != MPI_SUCCESS)
-      throw CommError("MPI_Allreduce of the GPU check failed on rank " + std::to_string(world->rank()));
-    if (!all_ok)
-      throw ConfigError("invalid configuration: device: " + std::to_string(local_ranks) + " ranks on a node with " +
-                        std::to_string(devices) + " GPU(s) (rank " + std::to_string(world->rank()) +
-                        "'s node); GPU ranks need one GPU each: start at most as many ranks per node as it has GPUs");
+  if (!world) {
+    MOEUT_CUDA_CHECK(cudaSetDevice(0));
+    return;
   }
-  MOEUT_CUDA_CHECK(cudaSetDevice(local_rank));
+  MPI_Comm node = MPI_COMM_NULL;
+  if (MPI_Comm_split_type(world->comm(), MPI_COMM_TYPE_SHARED, world->rank(), MPI_INFO_NULL, &node) != MPI_SUCCESS)
+    throw CommError("MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) failed on rank " + std::to_string(world->rank()));
+  int local_rank = 0, local_ranks = 1;
+  MPI_Comm_rank(node, &local_rank);
+  MPI_Comm_size(node, &local_ranks);
+  const int device = devices >= local_ranks ? local_rank : devices == 1 ? 0 : -1;
+  // This rank's GPU UUID, all zeros when it has none; gathered over the node.
+  std::array<char, 16> uuid{};
+  if (device >= 0) {
+    cudaDeviceProp prop{};
+    MOEUT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    std::copy_n(prop.uuid.bytes, uuid.size(), uuid.begin());
+  }
+  std::vector<char> uuids(uuid.size() * size_t(local_ranks));
+  const int gathered = MPI_Allgather(uuid.data(), int(uuid.size()), MPI_CHAR, uuids.data(), int(uuid.size()), MPI_CHAR, node);
+  MPI_Comm_free(&node);
+  if (gathered != MPI_SUCCESS) throw CommError("MPI_Allgather of the GPU UUIDs failed on rank " + std::to_string(world->rank()));
+  int problem = 0;  // 1: no GPU of its own, 2: a GPU that a lower local rank also has
+  if (device < 0) problem = 1;
+  for (int r = 0; r < local_rank && problem == 0; ++r)
+    if (std::equal(uuid.begin(), uuid.end(), uuids.begin() + ptrdiff_t(r) * ptrdiff_t(uuid.size()))) problem = 2;
+  int worst = problem;
+  if (MPI_Allreduce(&problem, &worst, 1, MPI_INT, MPI_MAX, world->comm()) != MPI_SUCCESS)
+    throw CommError("MPI_Allreduce of the GPU check failed on rank " + std::to_string(world->rank()));
+  if (worst == 1)
+    throw ConfigError("invalid configuration: device: a rank sees neither one GPU nor as many as its node has ranks "
+                      "(rank " + std::to_string(world->rank()) + " sees " + std::to_string(devices) + " on a node of " +
+                      std::to_string(local_ranks) + " ranks); GPU ranks need one GPU each: show each rank all of the "
+                      "node's GPUs (at most as many ranks as GPUs) or exactly one of its own (srun --gpus-per-task=1, "
+                      "CUDA_VISIBLE_DEVICES per rank)");
+  if (worst == 2)
+    throw ConfigError("invalid configuration: device: two ranks of one node were given the same GPU; GPU ranks need one "
+                      "GPU each (check CUDA_VISIBLE_DEVICES or the scheduler's GPU binding)");
+  MOEUT_CUDA_CHECK(cudaSetDevice(device));
 }
 
 class GpuBackend final : public TrainingBackend {

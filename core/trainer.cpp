@@ -1,16 +1,20 @@
 #include "core/trainer.h"
 
 #include <omp.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <numeric>
+#include <thread>
 
 #include "core/rng.h"
 #include "core/schedule.h"
+#include "core/stop_request.h"
 
 namespace moeut {
 
@@ -115,13 +119,19 @@ double Trainer::run() {
                 (long long)expert_shard(cfg_.model.ff_n_experts, groups_.ep(), groups_.ep() - 1).count,
                 (long long)shard.count, (long long)cfg_.model.ff_n_experts, (long long)backend_->layout().total(),
                 backend_->optimizer_state_bytes() / 1e6, backend_->device(), omp_get_max_threads());
+  warn_if_bound_to_one_cpu();
   std::vector<int32_t> tokens(size_t(micro * (T + 1)));
   const int64_t first_sequence = groups_.world->rank() * local_batch_;
+  const auto run_start = std::chrono::steady_clock::now();
+  double longest_iteration = 0;  // seconds of a step with its validation and hook (saves)
   for (int64_t step = start_step_; step < t.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
+    const double elapsed = std::chrono::duration<double>(start - run_start).count();
     const int64_t dispatched = backend_->dispatch_bytes();
     backend_->zero_gradients();
-    double parts[3] = {0, 0, 0};  // ce, reg_ffn, reg_att, weighted by share of the global batch
+    // ce, reg_ffn, reg_att, weighted by share of the global batch; then the ranks that caught a
+    // stop signal and those that see the time limit coming, so every rank stops after the same step.
+    double parts[5] = {0, 0, 0, 0, 0};
     for (int64_t first = 0; first < local_batch_; first += micro) {
       sample_batch(train_, t.seed, step, first_sequence + first, micro, T, tokens.data());
       const double share = double(micro) / double(t.batch_size);
@@ -130,7 +140,10 @@ double Trainer::run() {
       parts[1] += share * part.reg_ffn;
       parts[2] += share * part.reg_att;
     }
-    groups_.world->all_reduce_sum(std::span<double>(parts, 3));
+    parts[3] = stop_signal() != 0 ? 1 : 0;
+    parts[4] = t.time_limit > 0 && elapsed + 2 * longest_iteration > t.time_limit ? 1 : 0;
+    groups_.world->all_reduce_sum(std::span<double>(parts, 5));
+    stopping_ = parts[3] > 0 || parts[4] > 0;
     const LossParts loss{parts[0], parts[1], parts[2]};
     if (!std::isfinite(loss.total()))  // the same on every rank: all stop together
       throw std::runtime_error("step " + std::to_string(step + 1) + ": loss is not finite (" +
@@ -142,9 +155,24 @@ double Trainer::run() {
     losses_.push_back(loss.total());
     log_step(step + 1, loss, lr, norm, seconds, {comm, backend_->dispatch_bytes() - dispatched});
     report_gradient_jump(step + 1, norm);
-    if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps)
+    if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps && !stopping_)
       log_validation(step + 1, validation_loss(t.eval_batches * micro), false);
     if (after_step_) after_step_(step + 1);
+    longest_iteration = std::max(
+        longest_iteration, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (stopping_) {
+      if (leader()) {
+        if (parts[3] > 0)
+          std::printf("stopped after step %lld: a stop signal reached %.0f of %d ranks\n", (long long)(step + 1),
+                      parts[3], groups_.world->size());
+        else
+          std::printf("stopped after step %lld: the time limit of %.0f s leaves less than twice the longest step "
+                      "(%.1f s) after %.0f s\n",
+                      (long long)(step + 1), t.time_limit, longest_iteration, elapsed + seconds);
+        std::fflush(stdout);
+      }
+      return std::numeric_limits<double>::quiet_NaN();
+    }
   }
   const double final_loss = validation_loss(0);
   log_validation(t.steps, final_loss, true);
@@ -194,6 +222,21 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
                 (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr, grad_norm, tokens_per_s,
                 traffic.comm_seconds, (long long)traffic.dispatch_bytes);
   metrics_ << line << std::flush;
+}
+
+void Trainer::warn_if_bound_to_one_cpu() {
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  const int cpus = sched_getaffinity(0, sizeof mask, &mask) == 0 ? CPU_COUNT(&mask) : 0;
+  const unsigned machine = std::thread::hardware_concurrency();
+  double bound[1] = {cpus == 1 && machine > 1 ? 1.0 : 0.0};
+  groups_.world->all_reduce_sum(std::span<double>(bound, 1));
+  if (!leader() || bound[0] == 0) return;
+  std::printf("warning: %.0f of %d ranks are each bound to a single CPU of the machine's %u (OpenMP threads per rank: "
+              "%d): mpirun binds each rank to one core by default; start with --bind-to none (or --map-by "
+              "slot:PE=<cores per rank>) and set OMP_NUM_THREADS to the cores per rank\n",
+              bound[0], groups_.world->size(), machine, omp_get_max_threads());
+  std::fflush(stdout);
 }
 
 void Trainer::report_gradient_jump(int64_t step, double grad_norm) {

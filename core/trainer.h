@@ -40,8 +40,11 @@ class Trainer {
   // they do not fit.
   Trainer(const Config& config, const ProcessGroups& groups);
   // Trains every step from the start step on (rank 0 logs); returns the loss over the whole
-  // validation file.
+  // validation file. A stop request (core/stop_request.h, or TrainConfig::time_limit) ends the
+  // run after the step every rank is in, after its after_step hook (which sees stopping()), and
+  // returns NaN without the final validation.
   double run();
+  bool stopping() const { return stopping_; }  // the current step is the last: a stop was requested
   const std::vector<double>& losses() const { return losses_; }  // total loss of every step run() trained
   // Every parameter of the model, expert shards gathered over the expert-parallel group (a
   // collective over it). In ParamLayout(config.model) order.
@@ -71,6 +74,8 @@ class Trainer {
   // the norms before it), logs each tensor's gradient norm (a collective: every rank decides
   // alike, from the same global norms).
   void report_gradient_jump(int64_t step, double grad_norm);
+  // Rank 0 warns when ranks are bound to one CPU of a machine that has more (a collective).
+  void warn_if_bound_to_one_cpu();
   double validation_loss(int64_t max_windows);
   bool leader() const { return groups_.world->rank() == 0; }
 
@@ -83,6 +88,7 @@ class Trainer {
   std::vector<double> losses_;
   std::vector<double> recent_norms_;  // the last steps' gradient norms, for report_gradient_jump
   int64_t start_step_ = 0;
+  bool stopping_ = false;
   std::function<void(int64_t)> after_step_;
 };
 

@@ -8,6 +8,7 @@
 
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/weights_file.h"
+#include "core/stop_request.h"
 #include "core/trainer.h"
 #include "parallel/mpi_communicator.h"
 
@@ -21,13 +22,21 @@ int main(int argc, char** argv) {
     Config config;
     if (parse_train_args(argc, argv, config)) {
       const ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, int(config.train.ep));
+      install_stop_handlers();
       Trainer trainer(config, groups);
       setup_checkpoints(trainer);
       trainer.run();
-      const std::vector<float> params = trainer.full_parameters();
-      if (rank == 0) {
-        write_weights(config.train.out_weights, config.model, params.data());
-        std::printf("weights written to %s\n", config.train.out_weights.c_str());
+      if (trainer.stopping()) {
+        // Stopped early: the checkpoint (if any) holds the state; no weights file is written.
+        if (rank == 0 && config.train.checkpoint_dir.empty())
+          std::printf("no checkpoint_dir: nothing of this run was saved\n");
+        status = kExitStopped;
+      } else {
+        const std::vector<float> params = trainer.full_parameters();
+        if (rank == 0) {
+          write_weights(config.train.out_weights, config.model, params.data());
+          std::printf("weights written to %s\n", config.train.out_weights.c_str());
+        }
       }
     }
   } catch (const ConfigError& e) {
