@@ -13,20 +13,15 @@ bin=$1 mpiexec=$2 work=$3
 rm -rf "$work" && mkdir -p "$work"
 fail() { echo "FAIL: $*"; exit 1; }
 
-awk 'BEGIN { srand(7); split("the a cat dog sees chases big small red blue runs sleeps on under mat tree", w, " ");
-             for (i = 0; i < 2000; i++) { n = 4 + int(rand() * 6); s = "";
-               for (j = 0; j < n; j++) s = s (j ? " " : "") w[1 + (i * 3 + j * 5 + int(rand() * 3)) % 16];
-               print s "." } }' > "$work/text.txt"
-"$bin/moeut-prepare-data" --input "$work/text.txt" --out_dir "$work/data" --vocab_size 48 --threads 1 > /dev/null
+. "$(dirname "$0")/cli_common.sh"
+tiny_corpus "$bin" "$work"
 
 train() {
   # shellcheck disable=SC2086  # MOEUT_MPI_BIND: mpirun options, split into words
-  "$mpiexec" -np 2 --oversubscribe ${MOEUT_MPI_BIND:---bind-to none} "$bin/moeut-train" --config "$(dirname "$0")/../configs/tiny.cfg" \
-    --n_tokens 48 --d_model 32 --n_heads 2 --d_head 16 --ff_n_experts 8 --ff_k 2 --ff_expert_size 16 --context 32 \
+  "$mpiexec" -np 2 --oversubscribe ${MOEUT_MPI_BIND:---bind-to none} "$bin/moeut-train" "${small_model[@]}" \
     --steps "${steps:-1500}" --batch_size 4 --micro_batch_size 2 --eval_every 0 --threads 1 --ep 2 --device cpu \
     --train_data "$work/data/train.bin" --val_data "$work/data/val.bin" "$@"
 }
-losses() { sed -n 's/^{"step": \([0-9]*\), "loss": \([^,]*\),.*/\1 \2/p' "$1"; }
 steps_logged() { losses "$1" 2> /dev/null | wc -l; }
 
 MOEUT_MPI_BIND="--bind-to core" train --out_weights "$work/straight.h5" --metrics "$work/straight.jsonl" > "$work/straight.txt"

@@ -7,11 +7,8 @@ set -euo pipefail
 bin=$1 work=$2
 rm -rf "$work" && mkdir -p "$work"
 
-# Deterministic text: 2000 sentences over a small vocabulary, with some order to learn.
-awk 'BEGIN { srand(7); split("the a cat dog sees chases big small red blue runs sleeps on under mat tree", w, " ");
-             for (i = 0; i < 2000; i++) { n = 4 + int(rand() * 6); s = "";
-               for (j = 0; j < n; j++) s = s (j ? " " : "") w[1 + (i * 3 + j * 5 + int(rand() * 3)) % 16];
-               print s "." } }' > "$work/text.txt"
+. "$(dirname "$0")/cli_common.sh"
+tiny_text "$work/text.txt"
 
 if "$bin/moeut-prepare-data" --input "$work/missing.txt" --out_dir "$work/data" 2> "$work/err.txt"; then
   echo "FAIL: a missing input file was accepted"; exit 1
@@ -21,8 +18,7 @@ grep -q "missing.txt" "$work/err.txt" || { echo "FAIL: error does not name the f
 "$bin/moeut-prepare-data" --input "$work/text.txt" --out_dir "$work/data" --vocab_size 48 --threads 1 | tee "$work/prep.txt"
 grep -q "unigram perplexity (validation):" "$work/prep.txt"
 
-"$bin/moeut-train" --config "$(dirname "$0")/../configs/tiny.cfg" --n_tokens 48 --d_model 32 --n_heads 2 \
-  --d_head 16 --ff_n_experts 8 --ff_k 2 --ff_expert_size 16 --context 32 --steps 4 --batch_size 4 \
+"$bin/moeut-train" "${small_model[@]}" --steps 4 --batch_size 4 \
   --micro_batch_size 2 --eval_every 2 --eval_batches 1 --threads 1 \
   --train_data "$work/data/train.bin" --val_data "$work/data/val.bin" \
   --out_weights "$work/weights.h5" --metrics "$work/metrics.jsonl" | tee "$work/train.txt"
@@ -40,8 +36,7 @@ grep -q "text.txt: bad magic" "$work/err.txt" || { echo "FAIL: unclear error:"; 
 # --grad_jump_factor: the steps it reports are exactly those whose norm exceeds the factor times the
 # median of the (up to 20) steps before, once 10 are there, each with every tensor's norm, which
 # together make the step's norm.
-"$bin/moeut-train" --config "$(dirname "$0")/../configs/tiny.cfg" --n_tokens 48 --d_model 32 --n_heads 2 \
-  --d_head 16 --ff_n_experts 8 --ff_k 2 --ff_expert_size 16 --context 32 --steps 24 --batch_size 4 \
+"$bin/moeut-train" "${small_model[@]}" --steps 24 --batch_size 4 \
   --micro_batch_size 2 --eval_every 0 --threads 1 --grad_jump_factor 1.5 --lr 1e-1 \
   --train_data "$work/data/train.bin" --val_data "$work/data/val.bin" \
   --out_weights "$work/jumps.h5" --metrics "$work/jumps.jsonl" > "$work/jumps.txt"
