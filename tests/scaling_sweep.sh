@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# launch/moeut-scaling on CPU ranks: a weak-scaling sweep of the small model over 1 and 2 ranks at
+# every ep gives a CSV and a table with every point ok (the one-rank point at efficiency 1), and
+# two PNG plots; an unknown key in a sweep file is refused, naming it.
+# Usage: scaling_sweep.sh BIN_DIR WORK_DIR (the sweep launches with the mpirun on PATH)
+set -euo pipefail
+bin=$1 work=$2
+root=$(cd "$(dirname "$0")/.." && pwd)
+rm -rf "$work" && mkdir -p "$work"
+fail() { echo "FAIL: $*"; exit 1; }
+. "$(dirname "$0")/cli_common.sh"
+tiny_corpus "$bin" "$work"
+# The interpreter with matplotlib (Debian's python3-matplotlib), else the first python3.
+python=python3
+for p in /usr/bin/python3 python3; do "$p" -c "import matplotlib" 2> /dev/null && { python=$p; break; }; done
+
+cat > "$work/tiny.sweep" <<SWEEP
+profile = ${small_model[1]}
+train_data = $work/data/train.bin
+val_data = $work/data/val.bin
+ranks = 1 2
+ep = all
+sequences_per_rank = 2
+scaling = weak
+steps = 6
+device = cpu
+launcher_args = --oversubscribe
+train_args = ${small_model[*]:2} --threads 1
+bin = $bin
+SWEEP
+"$python" "$root/launch/moeut-scaling" "$work/tiny.sweep" --out "$work/out" > "$work/sweep.txt" 2>&1 ||
+  fail "the sweep failed: $(tail -5 "$work/sweep.txt")"
+[ "$(wc -l < "$work/out/points.csv")" = 4 ] || fail "points.csv: $(cat "$work/out/points.csv")"
+[ "$(grep -c ',ok$' "$work/out/points.csv")" = 3 ] || fail "not every point ok: $(cat "$work/out/points.csv")"
+grep -q "^1,1,1,2,2,6,.*,1,.*,ok$" "$work/out/points.csv" || fail "one-rank point: $(sed -n 2p "$work/out/points.csv")"
+grep -q "^| 2 | 2 | 1 | 4 | " "$work/out/table.md" || fail "table.md: $(cat "$work/out/table.md")"
+if "$python" -c "import matplotlib" 2> /dev/null; then
+  for png in scaling loss; do
+    [ "$(head -c 8 "$work/out/$png.png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ] || fail "$png.png is not a PNG"
+  done
+else
+  echo "skipped: the plots (no matplotlib for $python)"
+fi
+echo "bogus = 1" >> "$work/tiny.sweep"
+if "$python" "$root/launch/moeut-scaling" "$work/tiny.sweep" --out "$work/out2" 2> "$work/err.txt"; then
+  fail "a sweep file with an unknown key was accepted"
+fi
+grep -q "unknown key 'bogus'" "$work/err.txt" || fail "unclear error: $(cat "$work/err.txt")"
+echo "scaling sweep: ok ($(grep -c ',ok$' "$work/out/points.csv") points)"
