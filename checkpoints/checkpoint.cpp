@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <random>
 
 #include "checkpoints/shard_file.h"
 
@@ -264,6 +265,44 @@ CheckpointWeights read_checkpoint_weights(const std::string& dir) {
   }
 }
 
+namespace {
+
+// Every rank must see one checkpoint directory (each writes its own file of a checkpoint there,
+// and a resumed run reads them all): rank 0 leaves a probe file named by a token this run drew,
+// and every rank looks for it.
+void check_shared(Communicator& world, const std::string& dir) {
+  std::random_device entropy;
+  double token[1] = {world.rank() == 0 ? double(entropy() % (1u << 30)) * double(1u << 20) + double(entropy() % (1u << 20)) : 0.0};
+  world.all_reduce_sum(std::span<double>(token, 1));
+  char name[48];
+  std::snprintf(name, sizeof name, ".moeut-shared-probe-%.0f", token[0]);
+  const fs::path probe = fs::path(dir) / name;
+  agree(world, [&] {
+    if (world.rank() != 0) return;
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) fail(dir, "cannot create the checkpoint directory: " + ec.message());
+    std::FILE* f = std::fopen(probe.c_str(), "w");
+    if (!f || std::fclose(f) != 0) fail(dir, "cannot write in the checkpoint directory");
+  });
+  try {
+    agree(world, [&] {
+      if (!fs::exists(probe))
+        fail(dir, "is not the directory rank 0 sees (rank " + std::to_string(world.rank()) +
+                      " finds no " + name + " there): checkpoint_dir must be on a filesystem every rank shares, "
+                      "at the same path");
+    });
+  } catch (...) {
+    std::error_code ignored;
+    if (world.rank() == 0) fs::remove(probe, ignored);
+    throw;
+  }
+  std::error_code ignored;
+  if (world.rank() == 0) fs::remove(probe, ignored);
+}
+
+}  // namespace
+
 void setup_checkpoints(Trainer& trainer) {
   const Config& c = trainer.config();
   const TrainConfig& t = c.train;
@@ -271,6 +310,7 @@ void setup_checkpoints(Trainer& trainer) {
   Communicator& world = *groups.world;
   const bool leader = world.rank() == 0;
   int64_t start = 0;
+  if (!t.checkpoint_dir.empty()) check_shared(world, t.checkpoint_dir);
   std::string dir = t.resume;
   agree(world, [&] {
     if (t.resume != "latest" && t.resume != "auto") return;

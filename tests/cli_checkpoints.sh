@@ -7,10 +7,11 @@
 # - moeut-export of a checkpoint equals the weights moeut-train exports at that step, and
 #   evaluates to the training's final validation loss;
 # - the manifest's virtual datasets read (h5dump) the same values after the directory moved;
-# - a missing rank file and --resume latest with no checkpoint are refused, naming the file.
+# - a missing rank file and --resume latest with no checkpoint are refused, naming the file;
+# - a checkpoint_dir that is not one directory for every rank is refused at start-up.
 # Usage: cli_checkpoints.sh BIN_DIR MPIEXEC WORK_DIR
 set -euo pipefail
-bin=$1 mpiexec=$2 work=$3
+bin=$(cd "$1" && pwd) mpiexec=$2 work=$3
 rm -rf "$work" && mkdir -p "$work"
 fail() { echo "FAIL: $*"; exit 1; }
 
@@ -66,4 +67,15 @@ if train --checkpoint_dir "$work/empty" --resume latest --out_weights "$work/x.h
   fail "--resume latest without a checkpoint started"
 fi
 grep -q "empty: --resume latest: no complete checkpoint" "$work/err.txt" || { cat "$work/err.txt"; fail "unclear refusal"; }
+# A relative checkpoint_dir from two working directories: each rank would write into its own.
+mkdir -p "$work/rank0" "$work/rank1"
+args=("${small_model[@]}" --steps 4 --batch_size 4 --micro_batch_size 2 --eval_every 0 --threads 1 --ep 2 --device cpu
+      --train_data "$work/data/train.bin" --val_data "$work/data/val.bin" --checkpoint_dir ckpt
+      --out_weights "$work/x.h5" --metrics "$work/x.jsonl")
+if "$mpiexec" --oversubscribe -np 1 --wdir "$work/rank0" "$bin/moeut-train" "${args[@]}" : \
+     -np 1 --wdir "$work/rank1" "$bin/moeut-train" "${args[@]}" > /dev/null 2> "$work/err.txt"; then
+  fail "a checkpoint_dir that is not one directory for every rank was accepted"
+fi
+grep -q "ckpt: is not the directory rank 0 sees (rank 1 finds no" "$work/err.txt" || { cat "$work/err.txt"; fail "unclear refusal"; }
+[ -z "$(ls -A "$work/rank0/ckpt")" ] || fail "the probe file was left behind"
 echo "PASS: killed save left step 10; resumed bit-exactly; export = training weights; virtual datasets read back"

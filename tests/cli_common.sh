@@ -17,7 +17,7 @@ tiny_corpus() {
 }
 
 # The small model the CLI tests train (configs/tiny.cfg cut down), on tiny_corpus's data.
-small_model=(--config "$(dirname "${BASH_SOURCE[0]}")/../configs/tiny.cfg" --n_tokens 48 --d_model 32 --n_heads 2
+small_model=(--config "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/configs/tiny.cfg" --n_tokens 48 --d_model 32 --n_heads 2
              --d_head 16 --ff_n_experts 8 --ff_k 2 --ff_expert_size 16 --context 32)
 
 # losses METRICS: "step loss" of each training step.
