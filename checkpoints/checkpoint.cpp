@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <random>
+#include <thread>
 
 #include "checkpoints/shard_file.h"
 
@@ -164,63 +165,111 @@ std::string latest_checkpoint(const std::string& checkpoint_dir) {
   return all.empty() ? "" : all.rbegin()->second.string();
 }
 
-SaveReport save_checkpoint(const std::string& checkpoint_dir, int64_t step, int64_t keep, const Config& c,
-                           const ProcessGroups& groups, TrainingBackend& backend) {
-  Communicator& world = *groups.world;
-  const auto start = std::chrono::steady_clock::now();
-  const std::string target = step_directory(checkpoint_dir, step);
-  const fs::path tmp = hidden(target, "tmp");
+struct CheckpointWriter::Pending {
+  int64_t step = 0, optimizer_steps = 0;
+  std::string target;
+  fs::path tmp;
+  std::chrono::steady_clock::time_point begin;
+  double stall = 0;
+  std::thread writer;  // this rank's file
+  std::string error;   // what the writer threw, if it did
+  double bytes = 0;    // of this rank's file
+};
+
+CheckpointWriter::CheckpointWriter(std::string checkpoint_dir, int64_t keep, const Config& c,
+                                   const ProcessGroups& groups, TrainingBackend& backend)
+    : dir_(std::move(checkpoint_dir)), keep_(keep), config_(c), groups_(groups), backend_(backend) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (pending_ && pending_->writer.joinable()) pending_->writer.join();
+}
+
+std::optional<SaveReport> CheckpointWriter::start(int64_t step) {
+  std::optional<SaveReport> previous = finish();
+  Communicator& world = *groups_.world;
+  auto p = std::make_unique<Pending>();
+  p->begin = std::chrono::steady_clock::now();
+  p->step = step;
+  p->target = step_directory(dir_, step);
+  p->tmp = hidden(p->target, "tmp");
   const bool leader = world.rank() == 0;
   agree(world, [&] {
     if (!leader) return;
-    if (fs::exists(target)) fail(target, "exists already; a checkpoint is never overwritten");
-    fs::remove_all(tmp);  // left by a save that was killed
-    fs::create_directories(tmp);
+    if (fs::exists(p->target)) fail(p->target, "exists already; a checkpoint is never overwritten");
+    fs::remove_all(p->tmp);  // left by a save that was killed
+    fs::create_directories(p->tmp);
   });
+  OptimizerShard shard;
+  agree(world, [&] { shard = backend_.optimizer_shard(); });  // off the device, if there
+  p->optimizer_steps = shard.steps;
+  const std::string path = (p->tmp / rank_file_name(world.rank())).string();
+  const ShardHeader header{world.rank(), world.size(), groups_.ep(), backend_.layout().shard(), step, shard.steps,
+                           config_.train.seed};
+  std::vector<OwnedRange> ranges = owned_ranges(backend_.layout(), backend_.partition());
+  Pending* const q = p.get();
+  p->writer = std::thread([q, path, header, ranges = std::move(ranges), shard = std::move(shard), model = config_.model] {
+    try {
+      write_shard_file(path, header, ParamLayout(model), ranges, shard);
+      q->bytes = double(fs::file_size(path));
+    } catch (const std::exception& e) {
+      q->error = *e.what() ? e.what() : "unknown error";
+    }
+  });
+  copy_seconds_ = p->stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - p->begin).count();
+  pending_ = std::move(p);
+  return previous;
+}
 
-  const ParamLayout full(c.model);
-  double bytes = 0;
-  int64_t optimizer_steps = 0;
+std::optional<SaveReport> CheckpointWriter::finish() {
+  if (!pending_) return std::nullopt;
+  const std::unique_ptr<Pending> p = std::move(pending_);
+  const auto wait_begin = std::chrono::steady_clock::now();
+  p->writer.join();
+  Communicator& world = *groups_.world;
   agree(world, [&] {
-    const OptimizerShard shard = backend.optimizer_shard();
-    optimizer_steps = shard.steps;
-    const std::string path = (tmp / rank_file_name(world.rank())).string();
-    const ShardHeader header{world.rank(), world.size(), groups.ep(), backend.layout().shard(), step, shard.steps,
-                             c.train.seed};
-    write_shard_file(path, header, full, owned_ranges(backend.layout(), backend.partition()), shard);
-    bytes = double(fs::file_size(path));
+    if (!p->error.empty()) throw std::runtime_error(p->error);
   });
+  double bytes = p->bytes;
   world.all_reduce_sum(std::span<double>(&bytes, 1));
-
-  SaveReport report{target, world.size() + 1, int64_t(bytes), 0};
+  const ParamLayout full(config_.model);
+  SaveReport report{p->target, p->step, world.size() + 1, int64_t(bytes), 0, 0};
   agree(world, [&] {
-    if (!leader) return;
+    if (world.rank() != 0) return;
     Manifest m;
-    m.model = c.model;
-    m.train = c.train;
-    m.step = step;
-    m.optimizer_steps = optimizer_steps;
+    m.model = config_.model;
+    m.train = config_.train;
+    m.step = p->step;
+    m.optimizer_steps = p->optimizer_steps;
     m.world_size = world.size();
-    m.ep = groups.ep();
-    for (int64_t j = 0; j < m.ep; ++j) m.expert_shards.push_back(expert_shard(c.model.ff_n_experts, m.ep, j));
+    m.ep = groups_.ep();
+    for (int64_t j = 0; j < m.ep; ++j) m.expert_shards.push_back(expert_shard(config_.model.ff_n_experts, m.ep, j));
     for (int64_t r = 0; r < m.world_size; ++r) {
-      const std::string name = rank_file_name(r), path = (tmp / name).string();
-      const std::vector<Piece> pieces = read_shard_index(path, name, r, step, full);
+      const std::string name = rank_file_name(r), path = (p->tmp / name).string();
+      const std::vector<Piece> pieces = read_shard_index(path, name, r, p->step, full);
       m.pieces.insert(m.pieces.end(), pieces.begin(), pieces.end());
       m.files.push_back(name);
       m.file_bytes.push_back(int64_t(fs::file_size(path)));
     }
-    const std::string manifest = (tmp / kManifest).string();
+    const std::string manifest = (p->tmp / kManifest).string();
     write_manifest(manifest, m);
     fsync_path(manifest, false);
-    fsync_path(tmp.string(), true);
+    fsync_path(p->tmp.string(), true);
     report.bytes += int64_t(fs::file_size(manifest));
-    fs::rename(tmp, target);  // the checkpoint appears whole, or not at all
-    fsync_path(checkpoint_dir, true);
-    remove_old(checkpoint_dir, keep);
+    fs::rename(p->tmp, p->target);  // the checkpoint appears whole, or not at all
+    fsync_path(dir_, true);
+    remove_old(dir_, keep_);
   });
-  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto now = std::chrono::steady_clock::now();
+  report.seconds = std::chrono::duration<double>(now - p->begin).count();
+  report.stall_seconds = p->stall + std::chrono::duration<double>(now - wait_begin).count();
   return report;
+}
+
+SaveReport save_checkpoint(const std::string& checkpoint_dir, int64_t step, int64_t keep, const Config& c,
+                           const ProcessGroups& groups, TrainingBackend& backend) {
+  CheckpointWriter writer(checkpoint_dir, keep, c, groups, backend);
+  writer.start(step);
+  return *writer.finish();
 }
 
 Manifest load_checkpoint(const std::string& dir, const Config& c, const ProcessGroups& groups,
@@ -350,15 +399,27 @@ void setup_checkpoints(Trainer& trainer) {
     fail(beyond->second.string(), "is beyond the resumed step " + std::to_string(start) +
                                       " and would be overwritten; choose another checkpoint_dir");
   });
-  trainer.after_step([&trainer, &groups, leader](int64_t step) {
-    const Config& c = trainer.config();
-    const TrainConfig& t = c.train;
-    if (!(step == t.steps || trainer.stopping() || (t.checkpoint_every > 0 && step % t.checkpoint_every == 0))) return;
-    const SaveReport r = save_checkpoint(t.checkpoint_dir, step, t.keep_checkpoints, c, groups, trainer.backend());
-    if (!leader) return;
-    std::printf("checkpoint step %lld -> %s | %lld files, %.2f MB | %.3f s | %.3f GB/s\n", (long long)step,
-                r.directory.c_str(), (long long)r.files, r.bytes / 1e6, r.seconds, r.bytes / 1e9 / r.seconds);
-    std::fflush(stdout);
+  // Saves before the last are written beside the steps that follow (the next save, or the last,
+  // finishes them); the last one, and one for a stop, is whole before the run goes on.
+  auto writer = std::make_shared<CheckpointWriter>(t.checkpoint_dir, t.keep_checkpoints, c, groups, trainer.backend());
+  trainer.after_step([&trainer, writer, leader](int64_t step) {
+    const TrainConfig& t = trainer.config().train;
+    const bool last = step == t.steps || trainer.stopping();
+    if (!(last || (t.checkpoint_every > 0 && step % t.checkpoint_every == 0))) return;
+    auto report = [leader](const SaveReport& r) {
+      if (!leader) return;
+      std::printf("checkpoint step %lld -> %s | %lld files, %.2f MB | whole after %.3f s, training waited %.3f s\n",
+                  (long long)r.step, r.directory.c_str(), (long long)r.files, r.bytes / 1e6, r.seconds, r.stall_seconds);
+      std::fflush(stdout);
+    };
+    if (const auto done = writer->start(step)) report(*done);
+    if (last) {
+      report(*writer->finish());
+    } else if (leader) {
+      std::printf("checkpoint step %lld: state taken in %.3f s, written beside training\n", (long long)step,
+                  writer->copy_seconds());
+      std::fflush(stdout);
+    }
   });
 }
 

@@ -3,6 +3,8 @@
 // appears by one rename when all of it is on disk. Any layout reads any checkpoint back.
 #pragma once
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -27,13 +29,44 @@ std::string latest_checkpoint(const std::string& checkpoint_dir);
 
 struct SaveReport {
   std::string directory;
+  int64_t step = 0;
   int64_t files = 0, bytes = 0;  // rank files and manifest
-  double seconds = 0;
+  double seconds = 0;            // from the save's start until the checkpoint was whole
+  double stall_seconds = 0;      // of those, the time training waited for it
 };
 
-// Saves the backend's state after `step` steps into step_directory(checkpoint_dir, step), then
-// deletes the oldest checkpoints beyond `keep` (0: none). Refuses a step directory that exists:
-// a checkpoint is never overwritten. Collective over groups.world.
+// Saves with the rank files written beside training. start() takes the backend's state after
+// `step` steps off the device (the only part the step waits for) and writes this rank's file on
+// a thread of its own; finish() waits for every rank's file, rank 0 adds the manifest, the step
+// directory appears by one rename, and the oldest checkpoints beyond `keep` (0: none) go. One
+// save at a time: start() finishes the one before. A step directory that exists is refused: a
+// checkpoint is never overwritten. Both are collective over groups.world.
+class CheckpointWriter {
+ public:
+  CheckpointWriter(std::string checkpoint_dir, int64_t keep, const Config& c, const ProcessGroups& groups,
+                   TrainingBackend& backend);
+  // A save still being written is left unfinished (its hidden .tmp directory stays, and the
+  // checkpoint before it is whole).
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  // Returns the report of the save it finished first, if there was one.
+  std::optional<SaveReport> start(int64_t step);
+  std::optional<SaveReport> finish();  // the pending save's report; none when nothing is pending
+  double copy_seconds() const { return copy_seconds_; }  // the last start()'s wait for the state
+
+ private:
+  struct Pending;
+  std::string dir_;
+  int64_t keep_;
+  const Config& config_;
+  const ProcessGroups& groups_;
+  TrainingBackend& backend_;
+  std::unique_ptr<Pending> pending_;
+  double copy_seconds_ = 0;
+};
+
+// One save, whole before it returns (start() and finish() of a CheckpointWriter).
 SaveReport save_checkpoint(const std::string& checkpoint_dir, int64_t step, int64_t keep, const Config& c,
                            const ProcessGroups& groups, TrainingBackend& backend);
 
