@@ -79,7 +79,8 @@ po::options_description train_options(TrainConfig& t) {
        "continue from a checkpoint: a step_<N> directory, latest (the newest in checkpoint_dir), or auto (the newest, "
        "or a fresh start when there is none)")
       ("time_limit", po::value(&t.time_limit)->default_value(t.time_limit),
-       "wall-clock seconds the run may take: it saves a checkpoint and stops (exit status 75) before them (0: none)");
+       "wall-clock seconds the steps may take from the first: a checkpoint is saved and the run stops (exit status "
+       "75) before them (0: none)");
   return o;
 }
 

@@ -73,8 +73,9 @@ struct TrainConfig {
   // A step_<N> directory; "latest", the newest in checkpoint_dir; or "auto", the newest there
   // or a fresh start when there is none (what a requeued job passes every time).
   std::string resume;
-  // Seconds of wall clock the run may take: it saves and stops (kExitStopped) while twice its
-  // longest step (validation and saves included) still fits; 0: no limit.
+  // Seconds of wall clock the training steps may take, counted from the first step this process
+  // runs (start-up and loading not included): the run saves and stops (kExitStopped) while twice
+  // its longest step (validation and saves included) still fits; 0: no limit.
   double time_limit = 0;
 };
 
