@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sharded checkpoints as users run them, each run a fresh mpirun of two ranks (ep 2):
-# - a rank killed by SIGKILL in the middle of a save leaves the previous checkpoint complete,
-#   and no partial one under a step_<N> name;
+# - a rank killed by SIGKILL in the middle of a save (the last, and one written beside training)
+#   leaves the previous checkpoint complete, and no partial one under a step_<N> name;
 # - --resume latest continues from it, and the run ends with exactly the weights of a run that
 #   was never interrupted (h5diff: no difference), with the same step losses;
 # - moeut-export of a checkpoint equals the weights moeut-train exports at that step, and
@@ -35,6 +35,17 @@ fi
 [ -d "$work/ckpt/.step_00000020.tmp" ] || fail "the killed save did not start (hook not reached?)"
 [ ! -e "$work/ckpt/step_00000020" ] || fail "a partial step 20 is visible"
 "$bin/moeut-export" --checkpoint "$work/ckpt/step_00000010" --out "$work/step10.h5" > /dev/null
+# Rank 1 killed while step 15's file is written beside training (saves before the last are):
+# step 10, finished when step 15's save began, stays whole; step 15 never appears.
+if MOEUT_TEST_KILL_DURING_SAVE=1:15 train --checkpoint_dir "$work/ckpt_bg" --checkpoint_every 5 \
+     --out_weights "$work/killed_bg.h5" --metrics "$work/killed_bg.jsonl" > "$work/killed_bg.txt" 2>&1; then
+  fail "the run with a rank killed during a background save succeeded"
+fi
+grep -q "checkpoint step 15: state taken in .* written beside training" "$work/killed_bg.txt" ||
+  fail "step 15's save was not written in the background"
+[ -f "$work/ckpt_bg/step_00000010/manifest.h5" ] || fail "step 10 lost to a kill during step 15's background save"
+[ -d "$work/ckpt_bg/.step_00000015.tmp" ] && [ ! -e "$work/ckpt_bg/step_00000015" ] ||
+  fail "step 15: no .tmp left, or a partial step directory is visible"
 
 train --checkpoint_dir "$work/ckpt" --checkpoint_every 10 --resume latest \
   --out_weights "$work/resumed.h5" --metrics "$work/resumed.jsonl" > "$work/resumed.txt"
