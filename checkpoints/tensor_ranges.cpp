@@ -51,18 +51,14 @@ int64_t flat_index(const std::vector<int64_t>& shape, const std::vector<int64_t>
 
 std::vector<OwnedRange> owned_ranges(const ParamLayout& local, const ZeroPartition& partition) {
   std::vector<OwnedRange> out;
-  for (const ZeroBucket& b : partition.buckets()) {
-    const int64_t lo = b.offset + b.mine_offset, hi = lo + b.mine;
-    for (const TensorSpec& t : local.tensors()) {
-      const int64_t from = std::max(lo, t.offset), to = std::min(hi, t.offset + t.numel);
-      if (from >= to) continue;
-      // A rank's expert tensors hold rows [shard.begin, shard.begin + shard.count) of the
-      // global [E, ...] tensor, so its flat ranges shift by shard.begin rows.
-      const int64_t row = std::accumulate(t.shape.begin() + 1, t.shape.end(), int64_t(1), std::multiplies<>());
-      const int64_t shift = t.expert ? local.shard().begin * row : 0;
-      out.push_back({t.name, from - t.offset + shift, to - from, b.state_offset + (from - lo)});
-    }
-  }
+  for_each_owned_piece(local, partition, [&](size_t i, int64_t offset, int64_t state_offset, int64_t count) {
+    const TensorSpec& t = local.tensors()[i];
+    // A rank's expert tensors hold rows [shard.begin, shard.begin + shard.count) of the global
+    // [E, ...] tensor, so its flat ranges shift by shard.begin rows.
+    const int64_t row = std::accumulate(t.shape.begin() + 1, t.shape.end(), int64_t(1), std::multiplies<>());
+    const int64_t shift = t.expert ? local.shard().begin * row : 0;
+    out.push_back({t.name, offset - t.offset + shift, count, state_offset});
+  });
   return out;
 }
 
