@@ -231,10 +231,10 @@ std::optional<SaveReport> CheckpointWriter::finish() {
   });
   double bytes = p->bytes;
   world.all_reduce_sum(std::span<double>(&bytes, 1));
-  const ParamLayout full(config_.model);
   SaveReport report{p->target, p->step, world.size() + 1, int64_t(bytes), 0, 0};
   agree(world, [&] {
     if (world.rank() != 0) return;
+    const ParamLayout full(config_.model);
     Manifest m;
     m.model = config_.model;
     m.train = config_.train;
@@ -321,7 +321,7 @@ namespace {
 // and every rank looks for it.
 void check_shared(Communicator& world, const std::string& dir) {
   std::random_device entropy;
-  double token[1] = {world.rank() == 0 ? double(entropy() % (1u << 30)) * double(1u << 20) + double(entropy() % (1u << 20)) : 0.0};
+  double token[1] = {world.rank() == 0 ? double(entropy()) : 0.0};
   world.all_reduce_sum(std::span<double>(token, 1));
   char name[48];
   std::snprintf(name, sizeof name, ".moeut-shared-probe-%.0f", token[0]);
