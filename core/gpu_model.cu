@@ -125,6 +125,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   targets_host_ = cuda::PinnedBuffer<int32_t>(size_t(N));
   row_loss_host_ = cuda::PinnedBuffer<float>(size_t(N));
   reg_loss_host_ = cuda::PinnedBuffer<double>(2);
+  rstd_f_host_ = cuda::PinnedBuffer<float>(size_t(N));
   mark_clocks_ = DeviceBuffer<uint64_t>(size_t(64 * cfg_.n_layers + 64));  // a layer's passes make about 30 marks
   if (const char* off = std::getenv("MOEUT_NO_GRAPHS"); off && std::string(off) == "1") graphs_on_ = false;
   reg_loss_ = DeviceBuffer<double>(2);
@@ -396,6 +397,10 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
   out.ce = std::accumulate(row_loss_host_.get(), row_loss_host_.get() + N, 0.0) / double(N);
   out.reg_ffn = reg_loss_host_.get()[0] / weight;
   out.reg_att = reg_loss_host_.get()[1] / weight;
+  if (pass == Pass::kTrain) {
+    for (int64_t i = 0; i < N; ++i) out.residual_std += 1.0 / double(rstd_f_host_.get()[i]);
+    out.residual_std /= double(N);
+  }
   return out;
 }
 
@@ -501,6 +506,9 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
                                    cudaMemcpyDeviceToHost, stream_));
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(reg_loss_host_.get(), reg_loss_.get(), 2 * sizeof(double), cudaMemcpyDeviceToHost,
                                    stream_));
+  if (backward)
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(rstd_f_host_.get(), rstd_f_.get(), size_t(N) * sizeof(float),
+                                     cudaMemcpyDeviceToHost, stream_));
 }
 
 void GpuModel::dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, float* dW, int64_t rows, int64_t out) {

@@ -253,7 +253,7 @@ class GpuModel {
   bool graphs_on_ = true;
   // Tokens in and losses out, staged in pinned memory so their copies are part of the graph.
   cuda::PinnedBuffer<int32_t> inputs_host_, targets_host_;
-  cuda::PinnedBuffer<float> row_loss_host_;
+  cuda::PinnedBuffer<float> row_loss_host_, rstd_f_host_;  // rstd_f_host_: the output LayerNorm's, for residual_std
   cuda::PinnedBuffer<double> reg_loss_host_;
   // The clock at each mark of the pass (ns), and the part that each mark starts.
   cuda::DeviceBuffer<uint64_t> mark_clocks_;

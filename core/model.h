@@ -13,9 +13,12 @@
 namespace moeut {
 
 // Mean losses of one batch: cross-entropy per predicted token, and the two regularisers
-// (already multiplied by their coefficients, summed over physical layers).
+// (already multiplied by their coefficients, summed over physical layers). residual_std, the
+// mean over tokens of the standard deviation of the last residual (the output LayerNorm's input),
+// is not a loss but watches the residual stream, which the value and FFN expert paths read raw.
 struct LossParts {
   double ce = 0, reg_ffn = 0, reg_att = 0;
+  double residual_std = 0;
   double total() const { return ce + reg_ffn + reg_att; }
 };
 

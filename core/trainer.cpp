@@ -129,9 +129,10 @@ double Trainer::run() {
     const double elapsed = std::chrono::duration<double>(start - run_start).count();
     const int64_t dispatched = backend_->dispatch_bytes();
     backend_->zero_gradients();
-    // ce, reg_ffn, reg_att, weighted by share of the global batch; then the ranks that caught a
-    // stop signal and those that see the time limit coming, so every rank stops after the same step.
-    double parts[5] = {0, 0, 0, 0, 0};
+    // ce, reg_ffn, reg_att, residual_std, weighted by share of the global batch; then the ranks that
+    // caught a stop signal and those that see the time limit coming, so every rank stops after the
+    // same step.
+    double parts[6] = {0, 0, 0, 0, 0, 0};
     for (int64_t first = 0; first < local_batch_; first += micro) {
       sample_batch(train_, t.seed, step, first_sequence + first, micro, T, tokens.data());
       const double share = double(micro) / double(t.batch_size);
@@ -139,12 +140,13 @@ double Trainer::run() {
       parts[0] += share * part.ce;
       parts[1] += share * part.reg_ffn;
       parts[2] += share * part.reg_att;
+      parts[3] += share * part.residual_std;
     }
-    parts[3] = stop_signal() != 0 ? 1 : 0;
-    parts[4] = t.time_limit > 0 && elapsed + 2 * longest_iteration > t.time_limit ? 1 : 0;
-    groups_.world->all_reduce_sum(std::span<double>(parts, 5));
-    stopping_ = parts[3] > 0 || parts[4] > 0;
-    const LossParts loss{parts[0], parts[1], parts[2]};
+    parts[4] = stop_signal() != 0 ? 1 : 0;
+    parts[5] = t.time_limit > 0 && elapsed + 2 * longest_iteration > t.time_limit ? 1 : 0;
+    groups_.world->all_reduce_sum(std::span<double>(parts, 6));
+    stopping_ = parts[4] > 0 || parts[5] > 0;
+    const LossParts loss{.ce = parts[0], .reg_ffn = parts[1], .reg_att = parts[2], .residual_std = parts[3]};
     if (!std::isfinite(loss.total()))  // the same on every rank: all stop together
       throw std::runtime_error("step " + std::to_string(step + 1) + ": loss is not finite (" +
                                std::to_string(loss.total()) + "); stopping before the weights are updated");
@@ -154,7 +156,10 @@ double Trainer::run() {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     losses_.push_back(loss.total());
     log_step(step + 1, loss, lr, norm, seconds, {comm, backend_->dispatch_bytes() - dispatched});
-    report_gradient_jump(step + 1, norm);
+    const double median = recent_median_norm();
+    if (t.grad_jump_factor > 0 && norm > t.grad_jump_factor * median) report_gradient_jump(step + 1, norm, median);
+    if (recent_norms_.size() == kNormWindow) recent_norms_.erase(recent_norms_.begin());
+    recent_norms_.push_back(norm);
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps && !stopping_)
       log_validation(step + 1, validation_loss(t.eval_batches * micro), false);
     if (after_step_) after_step_(step + 1);
@@ -162,9 +167,9 @@ double Trainer::run() {
         longest_iteration, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     if (stopping_) {
       if (leader()) {
-        if (parts[3] > 0)
+        if (parts[4] > 0)
           std::printf("stopped after step %lld: a stop signal reached %.0f of %d ranks\n", (long long)(step + 1),
-                      parts[3], groups_.world->size());
+                      parts[4], groups_.world->size());
         else
           std::printf("stopped after step %lld: the time limit of %.0f s leaves less than twice the longest step "
                       "(%.1f s) after %.0f s\n",
@@ -206,20 +211,28 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
                        const Traffic& traffic) {
   if (!leader()) return;
   const double tokens_per_s = double(cfg_.train.batch_size * cfg_.model.context) / seconds;
-  std::printf("step %5lld/%lld | loss %.4f | ce %.4f | reg %.5f | lr %.3e | grad_norm %.4f | %.0f tok/s",
+  std::printf("step %5lld/%lld | loss %.4f | ce %.4f | reg %.5f | lr %.3e | grad_norm %.4f | residual_std %.3g | "
+              "%.0f tok/s",
               (long long)step, (long long)cfg_.train.steps, loss.total(), loss.ce, loss.reg_ffn + loss.reg_att, lr,
-              grad_norm, tokens_per_s);
+              grad_norm, loss.residual_std, tokens_per_s);
   if (traffic.comm_seconds > 0)
     std::printf(" | comm %.0f ms (%.0f%%) | dispatch %.1f MB", traffic.comm_seconds * 1e3,
                 100 * traffic.comm_seconds / seconds, double(traffic.dispatch_bytes) / 1e6);
   std::printf("\n");
   std::fflush(stdout);
   char line[640];
+  // A number JSON can hold: a value that overflowed (a gradient norm, a residual's spread) is null.
+  auto number = [](double x, const char* format) {
+    char out[32];
+    std::snprintf(out, sizeof out, format, x);
+    return std::isfinite(x) ? std::string(out) : std::string("null");
+  };
   std::snprintf(line, sizeof line,
                 "{\"step\": %lld, \"loss\": %.8g, \"ce\": %.8g, \"reg_ffn\": %.8g, \"reg_att\": %.8g, "
-                "\"lr\": %.8g, \"grad_norm\": %.8g, \"tokens_per_s\": %.1f, \"comm_s\": %.6g, "
-                "\"dispatch_bytes\": %lld}\n",
-                (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr, grad_norm, tokens_per_s,
+                "\"lr\": %.8g, \"grad_norm\": %s, \"residual_std\": %s, \"tokens_per_s\": %.1f, "
+                "\"comm_s\": %.6g, \"dispatch_bytes\": %lld}\n",
+                (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr,
+                number(grad_norm, "%.8g").c_str(), number(loss.residual_std, "%.6g").c_str(), tokens_per_s,
                 traffic.comm_seconds, (long long)traffic.dispatch_bytes);
   metrics_ << line << std::flush;
 }
@@ -239,17 +252,14 @@ void Trainer::warn_if_bound_to_one_cpu() {
   std::fflush(stdout);
 }
 
-void Trainer::report_gradient_jump(int64_t step, double grad_norm) {
-  constexpr size_t kWindow = 20, kFewest = 10;  // steps the median is taken over, and needs
-  const double factor = cfg_.train.grad_jump_factor;
-  if (factor <= 0) return;
+double Trainer::recent_median_norm() const {
+  if (recent_norms_.size() < kFewestNorms) return INFINITY;
   std::vector<double> sorted = recent_norms_;
-  if (recent_norms_.size() == kWindow) recent_norms_.erase(recent_norms_.begin());
-  recent_norms_.push_back(grad_norm);
-  if (sorted.size() < kFewest) return;
   std::nth_element(sorted.begin(), sorted.begin() + ptrdiff_t(sorted.size() / 2), sorted.end());
-  const double median = sorted[sorted.size() / 2];
-  if (!(grad_norm > factor * median)) return;
+  return sorted[sorted.size() / 2];
+}
+
+void Trainer::report_gradient_jump(int64_t step, double grad_norm, double median) {
   std::vector<double> sums = backend_->gradient_square_sums();
   groups_.world->all_reduce_sum(std::span<double>(sums));
   if (!leader()) return;
@@ -258,7 +268,7 @@ void Trainer::report_gradient_jump(int64_t step, double grad_norm) {
   std::iota(order.begin(), order.end(), size_t(0));
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sums[a] > sums[b]; });
   std::printf("gradient norm jump at step %lld: %.4g, %.1fx the median %.4g of the %zu steps before; largest by tensor:",
-              (long long)step, grad_norm, grad_norm / median, median, sorted.size());
+              (long long)step, grad_norm, grad_norm / median, median, recent_norms_.size());
   for (size_t i = 0; i < std::min<size_t>(6, order.size()); ++i)
     std::printf(" %s %.3g%s", tensors[order[i]].name.c_str(), std::sqrt(sums[order[i]]), i < 5 ? "," : "");
   std::printf("\n");

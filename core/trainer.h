@@ -70,10 +70,12 @@ class Trainer {
   };
   void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds, const Traffic& traffic);
   void log_validation(int64_t step, double loss, bool final);
-  // When this step's gradient norm jumped (TrainConfig::grad_jump_factor against the median of
-  // the norms before it), logs each tensor's gradient norm (a collective: every rank decides
-  // alike, from the same global norms).
-  void report_gradient_jump(int64_t step, double grad_norm);
+  // The median of the last kNormWindow steps' gradient norms (infinity while fewer than
+  // kFewestNorms are known): what TrainConfig::grad_jump_factor multiplies.
+  double recent_median_norm() const;
+  // Logs each tensor's gradient norm of a step whose norm jumped above the median (a collective:
+  // every rank decides alike, from the same global norms).
+  void report_gradient_jump(int64_t step, double grad_norm, double median);
   // Rank 0 warns when ranks are bound to one CPU of a machine that has more (a collective).
   void warn_if_bound_to_one_cpu();
   double validation_loss(int64_t max_windows);
@@ -86,7 +88,8 @@ class Trainer {
   std::unique_ptr<TrainingBackend> backend_;
   std::ofstream metrics_;
   std::vector<double> losses_;
-  std::vector<double> recent_norms_;  // the last steps' gradient norms, for report_gradient_jump
+  static constexpr size_t kNormWindow = 20, kFewestNorms = 10;
+  std::vector<double> recent_norms_;  // the last kNormWindow steps' gradient norms
   int64_t start_step_ = 0;
   bool stopping_ = false;
   std::function<void(int64_t)> after_step_;

@@ -50,8 +50,9 @@ try:
     big, big_val = metrics("1B")
     losses = [r["loss"] for r in big]
     medians = [statistics.median(losses[i:i + 40]) for i in range(0, len(losses), 40)]
-    finite = all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in big)
-    print(f"1B: {len(big)} steps, finite {finite}, largest gradient norm {max(r['grad_norm'] for r in big):.2f}, "
+    norms = [math.inf if r["grad_norm"] is None else r["grad_norm"] for r in big]  # null: overflowed
+    finite = all(math.isfinite(r["loss"]) for r in big) and all(math.isfinite(n) for n in norms)
+    print(f"1B: {len(big)} steps, finite {finite}, largest gradient norm {max(norms):.2f}, "
           f"median loss per 40 steps {' -> '.join(f'{m:.2f}' for m in medians)}, "
           f"median {statistics.median(r['tokens_per_s'] for r in big[len(big) // 5:]):.0f} tokens/s")
     check(finite, "1B: a loss or gradient norm is not finite")

@@ -8,7 +8,8 @@ metrics in moeut-train's format, so that launch/seed_verdicts.py judges both ali
 
 bf16 autocast, AdamW (fused) with weight decay on every parameter, global norm clip, linear
 warm-up then cosine to min_lr_ratio (core/schedule.cpp), batches of random windows, final
-validation over every whole window of the validation file.
+validation over every whole window of the validation file. Each step's metrics row carries
+residual_std as moeut-train's does.
 """
 import argparse
 import json
@@ -73,6 +74,16 @@ def main():
                     att_n_experts=int(c["att_n_experts"]), d_head=int(c["d_head"]), group_size=int(c["group_size"]),
                     ff_k=int(c["ff_k"]), att_k=int(c["att_k"]), ff_expert_size=int(c["ff_expert_size"]),
                     entropy_reg=float(c["entropy_reg"]), att_entropy_reg=float(c["att_entropy_reg"])).cuda()
+    # residual_std as moeut-train logs it: the mean over tokens of the last residual's spread (the
+    # output LayerNorm's input), in the last training forward pass.
+    spread = {}
+
+    def watch_residual(_module, inputs):
+        if model.training:
+            x = inputs[0].float()
+            spread["std"] = float(torch.sqrt(x.var(dim=-1, unbiased=False) + 1e-5).mean())
+
+    model.out_norm.register_forward_pre_hook(watch_residual)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay,
                             fused=True)
     train = torch.from_numpy(read_tokens(a.train_data))
@@ -93,10 +104,12 @@ def main():
         loss.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip))
         opt.step()
-        row = {"step": step + 1, "loss": float(loss), "ce": float(ce), "lr": lr, "grad_norm": norm}
+        row = {"step": step + 1, "loss": float(loss), "ce": float(ce), "lr": lr, "grad_norm": norm,
+               "residual_std": spread["std"]}
         out.write(json.dumps(row) + "\n")
         if (step + 1) % 50 == 0:
-            print(f"step {step + 1} | loss {float(loss):.4f} | grad_norm {norm:.4f}", flush=True)
+            print(f"step {step + 1} | loss {float(loss):.4f} | grad_norm {norm:.4f} | residual_std {spread['std']:.3g}",
+                  flush=True)
     model.eval()
     windows = (len(val) - 1) // T
     total = 0.0

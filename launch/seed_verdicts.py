@@ -4,7 +4,8 @@
 A seed diverged when its run stopped without a final validation, a loss or gradient norm was not
 finite, or its training loss (mean of 10 steps) rose more than RISE above the lowest such mean
 before it (a collapse, such as training going back to the unigram level). A seed that trained but
-ended above MAX_VAL is reported as such. Exit status 1 when any seed diverged or ended above it.
+ended above MAX_VAL is reported as such. Each seed's row also gives its largest gradient norm, its
+largest residual_std (the spread of the last residual, which grows without bound in a collapse). Exit status 1 when any seed diverged or ended above it.
 """
 import argparse
 import json
@@ -33,7 +34,7 @@ def verdict(path, rise, max_val):
     info = {"seed": seed, "steps": len(steps)}
     if steps:
         losses = [r["loss"] for r in steps]
-        norms = [r["grad_norm"] for r in steps]
+        norms = [math.inf if r["grad_norm"] is None else r["grad_norm"] for r in steps]
         means = [statistics.fmean(losses[i:i + 10]) for i in range(0, len(losses) - 9)]
         worst_rise, at = 0.0, None
         lowest = math.inf
@@ -45,6 +46,11 @@ def verdict(path, rise, max_val):
         info.update(last_loss=statistics.fmean(losses[-10:]), rise=worst_rise, rise_at=at,
                     max_norm=norms[big], max_norm_at=steps[big]["step"],
                     finite=all(math.isfinite(x) for x in losses + norms))
+        # moeut-train writes null for a spread that overflowed.
+        stds = [(math.inf if r["residual_std"] is None else r["residual_std"], r["step"])
+                for r in steps if "residual_std" in r]
+        if stds:
+            info["max_std"], info["max_std_at"] = max(stds, key=lambda x: x[0] if not math.isnan(x[0]) else math.inf)
     info["val"] = finals[-1]["val_loss"] if finals else math.nan
     if not steps or not finals or not info["finite"] or not math.isfinite(info["val"]):
         info["verdict"] = "diverged (stopped)" if not finals else "diverged (not finite)"
@@ -67,12 +73,14 @@ def main():
     if not paths:
         print(f"no seed*.jsonl in {a.dir}")
         return 1
-    print(f"{'seed':>4} {'steps':>5} {'final val':>9} {'last loss':>9} {'max grad norm':>17} verdict")
+    print(f"{'seed':>4} {'steps':>5} {'final val':>9} {'last loss':>9} {'max grad norm':>17} "
+          f"{'max residual std':>17} verdict")
     results = [verdict(q, a.rise, a.max_val) for q in paths]
     for r in results:
         norm = f"{r.get('max_norm', math.nan):.3g} @{r.get('max_norm_at', '-')}"
+        std = f"{r.get('max_std', math.nan):.3g} @{r.get('max_std_at', '-')}"
         print(f"{r['seed']:>4} {r['steps']:>5} {r['val']:>9.4f} {r.get('last_loss', math.nan):>9.4f} {norm:>17} "
-              f"{r['verdict']}")
+              f"{std:>17} {r['verdict']}")
         log = a.dir / f"seed{r['seed']}.log"
         if r["verdict"].startswith("diverged") and log.exists():
             jumps = [l for l in log.read_text().splitlines() if l.startswith("gradient norm jump")]

@@ -13,8 +13,9 @@ rm -rf "$work" && mkdir -p "$work/bin/launch" "$work/path" "$work/data"
 fail() { echo "FAIL: $*"; exit 1; }
 touch "$work/data/train.bin" "$work/data/val.bin"
 printf '#!/bin/sh\necho "GPU 0: stand-in"\necho "GPU 1: stand-in"\n' > "$work/path/nvidia-smi"
-# The stand-in trainer: seed 1 trains, 2 collapses after step 20, 3 stops at step 30 without a
-# final validation, 4 trains but ends above the bound. It records its GPU and arguments.
+# The stand-in trainer: seed 1 trains, 2 collapses after step 20 as its residual spreads (until
+# it overflows: null), 3 stops at step 30 without a final validation, 4 trains but ends above the
+# bound. It records its GPU and arguments.
 cat > "$work/bin/launch/moeut-train" <<'SH'
 #!/bin/sh
 seed=0 metrics= all="$*"
@@ -26,7 +27,9 @@ echo "gpu $CUDA_VISIBLE_DEVICES args $all" >> "$(dirname "$metrics")/../../calls
 : > "$metrics"
 for s in $(seq 1 60); do
   loss=$(awk -v s="$s" -v seed="$seed" 'BEGIN { l = 9 - s / 10; if (seed == 2 && s > 20) l = 7 + (s - 20) / 20; printf "%.3f", l }')
-  echo "{\"step\": $s, \"loss\": $loss, \"grad_norm\": 1.5}" >> "$metrics"
+  std=$(awk -v s="$s" -v seed="$seed" 'BEGIN { x = 1; if (seed == 2 && s > 20) x = s; printf "%g", x }')
+  [ "$seed" = 2 ] && [ "$s" = 59 ] && std=null
+  echo "{\"step\": $s, \"loss\": $loss, \"grad_norm\": 1.5, \"residual_std\": $std}" >> "$metrics"
   [ "$seed" = 3 ] && [ "$s" = 30 ] && { echo "step 30: loss is not finite"; exit 1; }
 done
 val=4.6; [ "$seed" = 2 ] && val=6.7; [ "$seed" = 4 ] && val=4.8
@@ -38,18 +41,23 @@ export PATH="$work/path:$PATH" BIN="$work/bin" DATA="$work/data"
 status=0
 out=$(OUT="$work/out" SEEDS="1 2 3 4" "$root/launch/gpu-seed-sweep.sh" mixed --lr_extra_check 7 2>&1) || status=$?
 [ "$status" = 1 ] || fail "a sweep with diverged seeds exits $status, not 1 ($out)"
-# verdict SEED: the verdict column (after seed, steps, final val, last loss, max grad norm @step).
-verdict() { grep -E "^ +$1 " "$work/out/mixed.txt" | awk '{ $1 = $2 = $3 = $4 = $5 = $6 = ""; sub(/^ +/, ""); print }'; }
+# verdict SEED: the verdict column (after seed, steps, final val, last loss, max grad norm @step,
+# max residual std @step); column SEED N: the row's Nth field.
+verdict() { grep -E "^ +$1 " "$work/out/mixed.txt" | awk '{ for (i = 1; i <= 8; ++i) $i = ""; sub(/^ +/, ""); print }'; }
+column() { grep -E "^ +$1 " "$work/out/mixed.txt" | awk -v n="$2" '{ print $n }'; }
 [ "$(verdict 1)" = "trained" ] || fail "seed 1: $(verdict 1)"
 verdict 2 | grep -q "^diverged (loss rose" || fail "seed 2: $(verdict 2)"
 [ "$(verdict 3)" = "diverged (stopped)" ] || fail "seed 3: $(verdict 3)"
 [ "$(verdict 4)" = "trained, above 4.7" ] || fail "seed 4: $(verdict 4)"
+[ "$(column 2 7) $(column 2 8)" = "inf @59" ] && [ "$(column 1 7)" = 1 ] ||
+  fail "largest residual std: seed 2 $(column 2 7) $(column 2 8), seed 1 $(column 1 7)"
 grep -q "^1 of 4 trained" "$work/out/mixed.txt" || fail "summary line ($(tail -1 "$work/out/mixed.txt"))"
 [ "$(grep -c -- "--lr 1e-3 --warmup_steps 50 .*--grad_clip 0.25 .*--lr_extra_check 7" "$work/calls.txt")" = 4 ] ||
   fail "the recipe or the extra options missed a run ($(cat "$work/calls.txt"))"
 [ "$(grep -c "^gpu 0 " "$work/calls.txt")" = 2 ] && [ "$(grep -c "^gpu 1 " "$work/calls.txt")" = 2 ] ||
   fail "runs not spread over the two GPUs"
-tar -tzf "$work/out/mixed.tgz" | grep -q "mixed/seed3.log" || fail "logs not packed"
+tar -tzf "$work/out/mixed.tgz" > "$work/packed.txt"
+grep -q "mixed/seed3.log" "$work/packed.txt" || fail "logs not packed"
 [ ! -d "$work/out/mixed" ] || fail "the packed folder was left"
 
 OUT="$work/out" SEEDS="1 5" LR=2e-3 "$root/launch/gpu-seed-sweep.sh" good > /dev/null 2>&1 || fail "a sweep of trained seeds failed"

@@ -28,14 +28,24 @@ ModelConfig tiny_grad_config() {
   return m;
 }
 
-TEST(ModelGradient, TotalLossMatchesFiniteDifferencesForEveryParameter) {
-  const ModelConfig cfg = tiny_grad_config();
-  Model<double> model(cfg);
-  model.init(7);
+// The tiny model in double precision, initialised, with a batch of B uniformly drawn sequences.
+struct TinyModelAndBatch {
+  TinyModelAndBatch() : cfg(tiny_grad_config()), model(cfg), tokens(size_t(B * (cfg.context + 1))) {
+    model.init(7);
+    Rng rng(3);
+    for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(cfg.n_tokens));
+  }
   const int64_t B = 2;
-  std::vector<int32_t> tokens(size_t(B * (cfg.context + 1)));
-  Rng rng(3);
-  for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(cfg.n_tokens));
+  ModelConfig cfg;
+  Model<double> model;
+  std::vector<int32_t> tokens;
+};
+
+TEST(ModelGradient, TotalLossMatchesFiniteDifferencesForEveryParameter) {
+  TinyModelAndBatch tiny;
+  const int64_t B = tiny.B;
+  Model<double>& model = tiny.model;
+  const std::vector<int32_t>& tokens = tiny.tokens;
 
   const double weight = 0.5;  // a micro-batch's share of the global batch
   std::fill(model.grads.begin(), model.grads.end(), 0.0);
@@ -53,6 +63,24 @@ TEST(ModelGradient, TotalLossMatchesFiniteDifferencesForEveryParameter) {
     EXPECT_LE(err, test::kGradTolerance) << t.name;
     std::printf("%-40s %.3e\n", t.name.c_str(), err);
   }
+}
+
+// The value and FFN expert paths read the raw residual and the routers its LayerNorm, so the
+// model is homogeneous in the embedding's scale: scaled, the last residual's spread (residual_std)
+// scales alike while the output LayerNorm leaves the loss as it was (up to the LayerNorms' eps).
+// This is why a growing residual shows in residual_std and not in the loss.
+TEST(Model, ResidualStdFollowsTheEmbeddingScaleWhileTheLossDoesNot) {
+  TinyModelAndBatch tiny;
+  const int64_t B = tiny.B;
+  Model<double>& model = tiny.model;
+  const std::vector<int32_t>& tokens = tiny.tokens;
+  const LossParts before = model.forward_backward(tokens.data(), B, 1.0);
+  const TensorSpec& embedding = model.layout().at("embedding.weight");
+  for (int64_t i = 0; i < embedding.numel; ++i) model.params[size_t(embedding.offset + i)] *= 1000.0;
+  const LossParts after = model.forward_backward(tokens.data(), B, 1.0);
+  EXPECT_GT(before.residual_std, 0.0);
+  EXPECT_NEAR(after.residual_std, 1000.0 * before.residual_std, 1e-3 * 1000.0 * before.residual_std);
+  EXPECT_NEAR(after.ce, before.ce, 1e-3 * before.ce);
 }
 
 TEST(Model, AShardWithoutADispatcherIsRefusedClearly) {

@@ -81,6 +81,7 @@ std::vector<std::pair<std::string, double>> gradient_errors(const ModelConfig& c
   gpu.forward_backward(tokens.data(), weight / 2);
   const LossParts got = gpu.forward_backward(tokens.data(), weight / 2);
   EXPECT_NEAR(got.total(), ref.total(), 1e-2 * std::abs(ref.total()));
+  EXPECT_NEAR(got.residual_std, ref.residual_std, 1e-2 * ref.residual_std);
   const std::vector<float> grads = gpu.gradients();
   std::vector<std::pair<std::string, double>> out;
   for (const TensorSpec& t : cpu.layout().tensors()) {
