@@ -1,4 +1,4 @@
-// Consolidated weights in the interchange format of ../shared/spec/MOEUT.md: one HDF5 file, one
+// Consolidated weights in the interchange format of docs/MODEL.md: one HDF5 file, one
 // fp32 dataset per parameter under the official state-dict name and shape, and the model
 // configuration as root attributes named like the official constructor's arguments.
 #pragma once

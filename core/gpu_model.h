@@ -44,9 +44,9 @@ class GpuModel {
   // The bf16 working copy of every parameter (the fp32 master copy lives in the optimizer).
   void set_parameters(const std::vector<float>& params);
   std::vector<float> gradients();
-  // Zeroes the replicated gradients; the FFN experts' (the layout's last range: 85% of the 1B
+  // Zeroes the replicated gradients; the FFN experts' (the layout's last range: most of the
   // model's) are written, not added to, by their first weight gradient in the next backward pass,
-  // which then needs neither a memset of them nor a read of dW (docs/PERFORMANCE.md v34).
+  // which then needs neither a memset of them nor a read of dW.
   void zero_gradients();
   __nv_bfloat16* working() { return working_.get(); }
   // Every gradient holding its value: expert gradients left unwritten since zero_gradients()
@@ -202,7 +202,7 @@ class GpuModel {
   // Backward scratch, shared by the layers.
   cuda::DeviceBuffer<float> dres_, dxf_, dw_, dheads_f32_;
   // dxn_: a LayerNorm output's gradient, as the products that read the output give it (bf16, as
-  // their other activations: the LayerNorm backward reads it once, PERFORMANCE v39).
+  // their other activations: the LayerNorm backward reads it once).
   cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dv_, dxn_;
   // The attention experts' weight gradients lay out their per-selection operand here, weighted
   // and by position (see cuda::CvmmWeightGradArgs::staging); both run on the side stream, one
@@ -213,7 +213,7 @@ class GpuModel {
   // columns into that router's z (see route).
   cuda::DeviceBuffer<float> router_logits_;
   // The FFN routers' weight gradients on router_ld rows, when Ef is not a multiple of 8 (one per
-  // physical layer): cuBLAS's product on 565 rows took a slower sm80 kernel with a split-K pass.
+  // physical layer): cuBLAS's product on 565 rows picks a slower sm80 kernel with a split-K pass.
   // Added into the parameters' gradients at the end of each backward pass (fold_router_grads).
   cuda::DeviceBuffer<float> router_grads_padded_;
   std::unordered_map<std::string, std::pair<bf16*, int64_t>> padded_router_at_;  // copy, rows copied

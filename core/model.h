@@ -1,4 +1,4 @@
-// MoEUT (../shared/spec/MOEUT.md) on the CPU: explicit forward and backward, activations kept
+// MoEUT (docs/MODEL.md) on the CPU: explicit forward and backward, activations kept
 // per logical layer in buffers planned for the batch shape, gradients of a physical layer
 // summed over all its uses. T is float for training, double for gradient checks.
 #pragma once

@@ -1,5 +1,5 @@
 // The model's parameters as named tensors in one contiguous buffer, with the names, shapes and
-// element order of the official implementation's state dict (../shared/spec/MOEUT.md,
+// element order of the official implementation's state dict (docs/MODEL.md,
 // "Interchange names"). Replicated tensors come first, expert tensors (FFN keys and values)
 // last, so each class is one contiguous range.
 #pragma once

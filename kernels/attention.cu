@@ -746,7 +746,7 @@ constexpr int kDsBarrier = 1;                  // named barrier: both warpgroups
 // warps put lse and D into the stage, which is full on its mbarrier when both have landed and
 // empty once the 256 multiplying threads have arrived after the tile's last product. dSᵀ is
 // double-buffered, so the one barrier a tile left is between the two multiplying warpgroups
-// (both halves of dSᵀ written before dQ = dS K reads them); the loads no longer hold them. dQ goes
+// (both halves of dSᵀ written before dQ = dS K reads them); the loads do not hold them. dQ goes
 // as FlashAttention-3 adds it: the multiplying warpgroups stage each tile's dQ in shared memory,
 // and a third copying warp adds its rows into the fp32 accumulator by the L2's bulk reduction,
 // so no multiplying thread issues an atomic.

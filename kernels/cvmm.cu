@@ -62,8 +62,8 @@ constexpr int kStages = 3;
 // copies; landed(stage, step) runs in each thread on its own copies once they have landed;
 // mma(stage) issues the warpgroup's products and commits them. Each step waits for its products
 // before the next begins, so a stage is refilled only after a barrier that every thread reaches
-// with its products done. (Leaving one group of products running needs a fourth stage, which
-// costs the second block per SM: measured slower, see docs/PERFORMANCE.md.)
+// with its products done. (Leaving one group of products running would need a fourth stage, which
+// costs the second block per SM.)
 template <class Load, class Landed, class Mma>
 __device__ __forceinline__ void pipeline(int steps, Load load, Landed landed, Mma mma) {
 #pragma unroll
@@ -202,8 +202,8 @@ __host__ __device__ inline bool rows_addable(const float* base, int64_t width, i
 // dot_rows[out(r)][n0 + n] over its live rows, from the unweighted fp32 tile C, whose 16-byte
 // chunk c (columns 4c to 4c + 3) of row r is at c_chunk(r, c). Threads 0-255 take part: 16 per
 // row, 8 columns each (one 16-byte load of dot_rows), summed by shuffles within the 16. A thread
-// loads all its rows before summing any: with a load per row, each waited behind the previous
-// row's atomic, in an L2 the scatter keeps busy (docs/PERFORMANCE.md v12).
+// loads all its rows before summing any, so that no load waits behind the previous row's atomic
+// in an L2 the scatter keeps busy.
 template <class Chunk>
 __device__ __forceinline__ void routing_weight_grad(const CvmmRowsArgs& a, Chunk c_chunk, const int32_t* out,
                                                     const int32_t* sel, int rows, int64_t N, int n0, int n_valid) {
@@ -338,27 +338,26 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 // cvmm_rows for the scatters with K <= 128: the FFN's down product and up input gradient, the
 // attention's output product and value input gradient. An item is a row tile x 128 output
 // columns; with K <= 128 its product is two slabs, and its time goes to its loads and to the
-// additions into L2 (at 1B the down product's additions alone take about 0.85 ms, the per-tile
-// kernel took 1.5 for all of it; docs/PERFORMANCE.md v13), so the kernel runs them side by side:
+// additions into L2, so the kernel runs them side by side:
 // - Persistent blocks, one per SM, take the items by groups of G bands, G = 1 or 2 (output
 //   columns [n0, n0 + 128·G) of every row tile before the next group, so the band being added
 //   into stays in L2: 8 MB per band at 1B and 16k tokens), and within a group by the plan's
 //   chunks of the tokens (CvmmPlan::chunk_first_tile: 16k tokens each, so at 64k tokens a quarter
-//   of the band is added into at a time, docs/PERFORMANCE.md v29 item 3); within a chunk each
-//   block takes a run of consecutive row tiles, the G bands of a tile in turn. Those items share
-//   the tile's row slabs (at 1B the FFN's 100 MB of rows do not stay in L2: read once per pair of
-//   bands, not once per band, docs/PERFORMANCE.md v14), and consecutive tiles mostly share their
-//   expert, so a band's weight slab is loaded once per expert, not once per item. G = 2 when two
-//   bands of a chunk's share of the output fit in half of L2. The last two tiles a block of each
-//   chunk and group are shared instead: taken one at a time from a counter by the blocks that
-//   get there first (the shared tail, below), as blocks given even shares end 3-5% apart.
+//   of the band is added into at a time); within a chunk each block takes a run of consecutive
+//   row tiles, the G bands of a tile in turn. Those items share the tile's row slabs (at 1B the
+//   FFN's 100 MB of rows do not stay in L2: read once per pair of bands, not once per band), and
+//   consecutive tiles mostly share their expert, so a band's weight slab is loaded once per
+//   expert, not once per item. G = 2 when two bands of a chunk's share of the output fit in half
+//   of L2. The last two tiles a block of each chunk and group are shared instead: taken one at a
+//   time from a counter by the blocks that get there first (the shared tail, below), as blocks
+//   given even shares do not end together.
 // - Two warpgroups load (row slabs: two stages, one per tile; weight slabs: two buffers, item s
 //   in buffer s % 2) and multiply; a third adds each finished tile into its rows with 16-byte vector
 //   atomics while the first two go on with the next items. The tile passes between them
 //   through one fp32 buffer, its 16-byte chunks swizzled by row, guarded by two named barriers.
 //   The routing-weight gradient (value input gradient) is taken by the first two from that
-//   buffer while the third adds it (in the adding warpgroup it made that the bottleneck: 1.77 ms
-//   against 0.90 at 1B, docs/PERFORMANCE.md v13).
+//   buffer while the third adds it (in the adding warpgroup it would make that warpgroup the
+//   bottleneck).
 // - The indices are looked up ahead, one level of indirection per item, so no load waits on
 //   another within an iteration: item s + 5's tile (expert, first position), item s + 4's end,
 //   item s + 3's rows, item s + 1's routing weights. A block's item s lives in slot s % 4.
@@ -415,14 +414,14 @@ struct PhaseClock {
 
 // The shared tail: in each chunk of each group of bands the last kTailTilesPerBlock · blocks row
 // tiles are not split in advance but taken one at a time from the plan's counter of that chunk
-// and group by whichever blocks get there first, as the blocks end 3-5% apart from the SMs'
-// speed alone (docs/PERFORMANCE.md v26).
+// and group by whichever blocks get there first, as blocks given even shares end apart from the
+// SMs' speed alone.
 constexpr int kTailTilesPerBlock = 2;
 
 // Called by one thread of each block once the block is done with the plan's counters (every
 // atomic it sent them answered and its value used, so no fence is needed before the count; a
-// fence here made ptxas keep the kernels' float atomics as ATOMG, each waiting for its reply: 3x
-// slower, docs/PERFORMANCE.md v26): the launch's last block zeroes the first `used` counters
+// fence here would make ptxas keep the kernels' float atomics as ATOMG, each waiting for its
+// reply): the launch's last block zeroes the first `used` counters
 // and the count of finished blocks, tail_counters[kCvmmTailCounters], for the next launch.
 __device__ __forceinline__ void release_tail_counters(const CvmmPlan& plan, int used) {
   if (atomicAdd(&plan.tail_counters[kCvmmTailCounters], 1u) == gridDim.x - 1) {
@@ -736,10 +735,10 @@ __global__ void selection_dots_kernel(float* dweight, const bf16* rows, const bf
 // per-tile kernel reads its expert's weight once per 128-row tile, half of what it moves through
 // L2 at 1B (393 KB per tile). A 256-row tile halves that, but at one block per SM the per-tile
 // kernel's step barriers go uncovered, and copying warps issuing every 16-byte copy could not
-// keep up (docs/PERFORMANCE.md v15). So:
+// keep up. So:
 // - Persistent blocks take the plan's tile pairs (256 rows of one expert), pair blockIdx.x first,
-//   then every gridDim.x-th, so the blocks in flight share their experts' weights in L2. (Pairs
-//   listed rank by rank, for the token rows' sake, made the 1B step slower: PERFORMANCE.md v23.)
+//   then every gridDim.x-th, so the blocks in flight share their experts' weights in L2. (The
+//   pairs are not listed rank by rank for the token rows' sake: sharing the weights matters more.)
 // - Two copying warpgroups (40 registers a thread, `setmaxnreg`) fill four 48 KB stages, as far
 //   ahead as the stages allow: a pair's row lookups into its slot (two slots), then per 64-deep
 //   step the gathered rows' slab (32 KB) by cp.async and the weight slab (16 KB) by one thread's
@@ -750,10 +749,6 @@ __global__ void selection_dots_kernel(float* dweight, const bf16* rows, const bf
 //   accumulators while the copies of the next pair go on.
 // - Named barriers: stage s empty (products done), slot j free (its pair's outputs stored). Each
 //   counts all 512 threads; nobody arrives at one that no one will wait on.
-// H100, 1B shapes, 16k tokens, against the per-tile kernel in the same run: up 0.557 / 0.689 ms,
-// down input gradient 0.611 / 0.691. With each copy's address fixed per pair (v22; H200, same
-// shapes, against the copies of before in the same call): up 0.347 / 0.567 ms, down input
-// gradient 0.396 / 0.604.
 constexpr int kGatherRows = 2 * BM, kGatherStages = 4, kGatherCopyThreads = 256;
 constexpr int kGatherThreads = 2 * 128 + kGatherCopyThreads;
 constexpr int kGatherSlabA = kGatherRows * BK * 2, kGatherStageBytes = kGatherSlabA + kSlabB;
@@ -777,8 +772,8 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
   const int steps = int(K / BK), pairs = *plan.live_pairs;
   // The blocks take the pairs in order from the plan's counter (tail_counters[0]), each as it
   // gets to them, so that they end together however late each starts and whatever its pairs
-  // cost (a fixed round-robin deal ran the 1B step 3.5-4 ms slower, docs/PERFORMANCE.md v27),
-  // and the blocks in flight still share their experts' weights in L2.
+  // cost (a fixed round-robin deal leaves late-starting blocks ending last), and the blocks in
+  // flight still share their experts' weights in L2.
   // The copying warps take pair j + 1 while they load pair j and tell the multiplying ones each
   // pair's rows through pair_rows[j % 2] (-1: no pair j, the end), which the stage barrier of
   // its first step covers.
@@ -797,10 +792,10 @@ __global__ void __launch_bounds__(kGatherThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     const int thread = threadIdx.x - 2 * 128;
     // A copying thread brings the same 16-byte chunk (column kc) of kCopyRows rows of the pair,
-    // every kRowStride-th from row0, in every step. Issuing these copies bounds this kernel
-    // (docs/PERFORMANCE.md v15), so the rows are read from the slot once per pair, and as K is
-    // whole slabs and the rows 16-byte aligned, each copy is whole (zeros for rows past the pair's
-    // end) at a shared-memory offset fixed for the pair: a multiply-add and the copy (v22).
+    // every kRowStride-th from row0, in every step. Issuing these copies bounds this kernel, so
+    // the rows are read from the slot once per pair, and as K is whole slabs and the rows 16-byte
+    // aligned, each copy is whole (zeros for rows past the pair's end) at a shared-memory offset
+    // fixed for the pair: a multiply-add and the copy.
     constexpr int kChunks = BK / 8, kRowStride = kGatherCopyThreads / kChunks, kCopyRows = kGatherRows / kRowStride;
     const int kc = thread % kChunks, row0 = thread / kChunks, Kc = int(K);
     const uint32_t chunk_at = wgmma::swizzled_chunk(row0, kc);  // row row0 + i·kRowStride: + i·kRowStride·128
@@ -960,10 +955,8 @@ constexpr int WM = 128, WN = 128, WS = 64;
 // The blocks run a group of 4 tiles (128-column slices) of every expert before the next group,
 // so the blocks in flight gather from 4 slices of the token rows (at 1B, 4 x 4 MB of a 50 MB
 // matrix), which L2 can hold; each expert's other operand is then read once per group. With all
-// 12 tiles of an expert together they gathered from whole rows, which missed L2 (Nsight: 1.78 GB
-// of DRAM reads for the down weight gradient, whose inputs total 0.6 GB). H100, 16k tokens,
-// groups of 12 / 6 / 4 / 3 / 2 / 1: up dW 0.854 / 0.788 / 0.781 / 0.781 / 0.791 / 0.899 ms, down
-// dW 0.961 / 0.940 / 0.944 / 0.952 / 0.973 / 1.037 (docs/PERFORMANCE.md v14).
+// 12 tiles of an expert together the blocks would gather from whole rows, which miss L2; smaller
+// groups read the other operand more often.
 constexpr int kWeightGradTileGroup = 4;
 static_assert((WM + WN) * WS * 2 == kStageBytes, "weight-gradient stages share the row products' size");
 
@@ -1085,7 +1078,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
       const int r = row0 + 16 * i;
       const float wr = s_weight[stage][r];
       // One 16-byte read and write per chunk: element-wise, the shared-memory traffic of this
-      // pass outweighed the step's products (measured, docs/PERFORMANCE.md v8).
+      // pass would outweigh the step's products.
       uint4* chunk_at = reinterpret_cast<uint4*>(smem + stage * kStageBytes + chunk_offset(r));
       *chunk_at = weighted_chunk(*chunk_at, wr);
     }
@@ -1167,9 +1160,8 @@ DeviceFacts device_facts() {
 template <bool kTransW>
 void launch_scatter(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream) {
   const DeviceFacts facts = device_facts();
-  // Bands in pairs when two of them fit in half of L2. H100 (50 MB), 1B shapes, ms with one band
-  // against two: 16k tokens (16 MB a pair) down 1.208 / 1.151, up dX 1.234 / 1.136; 32k tokens
-  // (34 MB) down 3.028 / 3.456, up dX 3.004 / 3.455, o 1.289 / 1.652 (docs/PERFORMANCE.md v14).
+  // Bands in pairs when two of them fit in half of L2: a pair reads its row slabs once, but two
+  // bands that L2 cannot hold would be added into from DRAM.
   // A chunk of the plan adds into about 1/chunks of the output's rows at a time (its tokens').
   const int64_t chunk_rows = (a.out_rows + plan.chunks - 1) / plan.chunks;
   const int group = 2 * BN * sizeof(float) * chunk_rows <= int64_t(facts.l2_bytes) / 2 ? 2 : 1;

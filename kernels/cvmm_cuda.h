@@ -36,7 +36,7 @@ struct CvmmPlan {
   // each expert's c-th share of its rows (cvmm_chunk_rank_begin), tiles [chunk_first_tile[c],
   // chunk_first_tile[c + 1]). An expert's rows are in token order, so a chunk's tiles cover about
   // 1/chunks of the tokens, and a scatter that runs the chunks one after the other adds into
-  // that part of its output only (docs/PERFORMANCE.md v29 item 3).
+  // that part of its output only, which L2 can hold.
   const int32_t* chunk_first_tile;  // [chunks + 1]
   int32_t tiles;
   int32_t chunks;
@@ -55,8 +55,8 @@ inline constexpr int kCvmmTileRows = 128;
 // columns (16384 with two bands a group).
 inline constexpr int kCvmmMaxBandGroups = 64;
 // Tokens a chunk of the tile list covers (CvmmPlan::chunk_first_tile): a 128-column fp32 band of
-// 16k rows is 8 MB, which the scatters keep in L2 (docs/PERFORMANCE.md v29 item 3). At most
-// kCvmmMaxChunks chunks: past 256k tokens a chunk covers more.
+// 16k rows is 8 MB, which the scatters keep in L2. At most kCvmmMaxChunks chunks: past 256k
+// tokens a chunk covers more.
 inline constexpr int64_t kCvmmChunkTokens = 16384;
 inline constexpr int kCvmmMaxChunks = 16;
 // A tail counter for each chunk of each band group, then the count of finished blocks.
@@ -127,8 +127,7 @@ ScatterPhaseClock cvmm_scatter_phase_cycles(const CvmmPlan& plan, CvmmRowsArgs a
 // index, for cvmm_rows's stored outputs. The attention's value experts keep their rows so (two
 // per token and head): their routing-weight gradient is then a 128-wide dot product
 // (cvmm_selection_dots) instead of one over the 1536-wide token rows in the scatter's epilogue,
-// which at 1B made that scatter 0.849 ms against 0.538 for the same one without it
-// (docs/PERFORMANCE.md v18).
+// which would slow that scatter down.
 inline CvmmPlan at_selections(CvmmPlan plan) {
   plan.out_row = plan.by_expert;
   plan.out_by_position = false;
@@ -159,14 +158,14 @@ struct CvmmWeightGradArgs {
   // whose operands are both gathered first lays out one operand of at most 128 columns (a
   // multiple of 8; the narrower when both are) weighted and by position there: the kernel then
   // brings that operand by tensor copies and weights neither, for the same bits (the attention
-  // experts' weight gradients: 1B step -5 ms, docs/PERFORMANCE.md v44 item 6).
+  // experts' weight gradients).
   __nv_bfloat16* staging = nullptr;
 };
 void cvmm_weight_grad(const CvmmPlan& plan, const CvmmWeightGradArgs& a, cudaStream_t stream);
 // Two uses of the same expert weights (two layers that share them) in one product: dW_e += the
 // sum over both uses' selections. a and b name the same dW, shapes, weighting and overwrite. Each
 // tile then runs both uses' rows between its prologue and a single fp32 read-modify-write of dW,
-// where two products would do two (docs/PERFORMANCE.md v22).
+// where two products would do two.
 void cvmm_weight_grad(const CvmmPlan& plan_a, const CvmmWeightGradArgs& a, const CvmmPlan& plan_b,
                       const CvmmWeightGradArgs& b, cudaStream_t stream);
 

@@ -89,7 +89,7 @@ namespace {
 //   its own chunk),
 // the last a population count of the chunk's mask of e: bit t set when the chunk's token t
 // selected e. Selections of other ranks' experts (index -1) follow all the live ones, in index
-// order. docs/PERFORMANCE.md v43 item 1 measures it against the radix sort it replaced.
+// order. Counting positions so costs less than a radix sort of the selections by expert.
 constexpr int kMaskTokens = 32;  // tokens of a chunk: one bit each in a 32-bit mask
 constexpr int kMaskThreads = 256;
 constexpr int64_t kMaxMaskExperts = 48 * 1024 / sizeof(uint32_t);  // without opting in to more shared memory

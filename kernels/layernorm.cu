@@ -86,11 +86,11 @@ bool four_wide(int64_t d, std::initializer_list<const void*> fp32, std::initiali
 
 // One warp per row, V columns per lane at a time. A lane keeps its first kRegisterChunks chunks of
 // the row in registers, so the row is read from memory once, with all of a lane's loads in
-// flight together (a loop over the row three times kept one load in flight per lane: about half
-// the memory bandwidth, docs/PERFORMANCE.md v9). Columns past them (d > 32·V·kRegisterChunks) are
-// read again in each pass. x_bf16, when not null, receives a bf16 copy of x, and xhat the rounded x̂.
-// Held to 128 registers, two blocks per SM: with the copies the compiler took 144 (one block), and
-// every call ran at half the warps, the backward pass's copy-less ones too (docs/PERFORMANCE.md v18).
+// flight together (a loop over the row three times would keep one load in flight per lane).
+// Columns past them (d > 32·V·kRegisterChunks) are read again in each pass. x_bf16, when not
+// null, receives a bf16 copy of x, and xhat the rounded x̂. Held to 128 registers, two blocks per
+// SM: with the copies the compiler would take 144 (one block), and every call would run at half
+// the warps, the backward pass's copy-less ones too.
 constexpr int kRegisterChunks = 16;
 template <int V>
 __global__ void __launch_bounds__(kWarps * 32, 2)
@@ -235,7 +235,7 @@ void launch_backward(float* dx, float* dweight, float* dbias, const Grad* dout, 
                      __nv_bfloat16* dx_bf16, const __nv_bfloat16* bias, __nv_bfloat16* out) {
   if (n == 0) return;
   if (out && !bias) throw std::invalid_argument("layernorm_backward: the forward output needs the bias");
-  // At most 1056 blocks (8 per SM of an H100): each block's partial sums cost one pass of atomics
+  // At most 1056 blocks (8 per SM of 132 SMs): each block's partial sums cost one pass of atomics
   // over d at its end.
   const unsigned blocks = unsigned(std::min<int64_t>((n + kBackwardWarps - 1) / kBackwardWarps, 1056));
   const size_t smem = size_t(kBackwardWarps) * 2 * size_t(d) * sizeof(float);

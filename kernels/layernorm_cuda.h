@@ -11,9 +11,9 @@ namespace moeut::cuda {
 
 // The backward pass reads x̂ = (x - mean)·rstd rounded to bf16 (xhat, when not null, receives it)
 // instead of x in fp32: the residual stream is then added into in place, and a layer keeps 2 bytes
-// an element of its LayerNorm's input instead of 4 (docs/PERFORMANCE.md v44). The output is made
-// from that rounded x̂ in both passes. x_bf16, when not null, also receives x in bf16 (a copy the
-// products read, made in the same pass).
+// an element of its LayerNorm's input instead of 4. The output is made from that rounded x̂ in
+// both passes. x_bf16, when not null, also receives x in bf16 (a copy the products read, made in
+// the same pass).
 void layernorm_forward(__nv_bfloat16* out, float* rstd, const float* x, const __nv_bfloat16* weight,
                        const __nv_bfloat16* bias, int64_t n, int64_t d, cudaStream_t stream,
                        __nv_bfloat16* x_bf16 = nullptr, __nv_bfloat16* xhat = nullptr);

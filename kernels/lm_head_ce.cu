@@ -9,7 +9,7 @@ namespace moeut::cuda {
 namespace {
 
 // dbias[v] += Σ_r dlogits[r, v]: a thread per column and slice of kSumRows rows, added in
-// atomically (one thread per column for all rows left too few loads in flight: 145 GB/s).
+// atomically, so that enough loads are in flight.
 constexpr int kSumRows = 256;
 __global__ void column_sums(float* dbias, const __nv_bfloat16* dlogits, int64_t m, int V) {
   const int v = blockIdx.x * blockDim.x + threadIdx.x;

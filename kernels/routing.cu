@@ -14,8 +14,7 @@ constexpr int kWarps = 8, kMaxPerLane = 32;  // E <= 32 * 32
 
 // Logits as unsigned keys in the same order: the sign bit flipped for z >= 0, every bit for z < 0
 // (NaN lowest, as key 0; -0 + 0 is +0, so -0 and +0 are equal, as compared in fp32). Shifts and
-// logic instead of tests and selects: the top-k kernels are bound by the ALU pipe
-// (PERFORMANCE.md v42).
+// logic instead of tests and selects: the top-k kernels are bound by the ALU pipe.
 __device__ __forceinline__ uint32_t order_key(float z) {
   const uint32_t u = __float_as_uint(__fadd_rn(z, 0.f));
   return isnan(z) ? 0u : u ^ (uint32_t(int32_t(u) >> 31) | 0x80000000u);
@@ -35,8 +34,8 @@ __device__ __forceinline__ float key_sigmoid(uint32_t key) { return 1.f / (1.f +
 
 // The keys of a row held by L lanes: lane `sub` of them holds experts sub, sub + L, ... (P >= E / L
 // slots); bit q of the result marks slot q past E. The row's logits are copied to `packed` when
-// given, after all of them are loaded (interleaved, each load waited for the store before it,
-// which may alias: the FFN top-k took 73 µs a call for its 37 MB, docs/PERFORMANCE.md v28).
+// given, after all of them are loaded (interleaved, each load would wait for the store before it,
+// which may alias).
 template <int P, int L>
 __device__ __forceinline__ uint32_t load_keys(uint32_t (&key)[P], const float* z, float* packed, int sub, int E) {
   float v[P];
@@ -84,8 +83,8 @@ __device__ __forceinline__ BlockRow block_row(int64_t T, int groups) {
 // largest key: exp(z - max) into the row's P·L floats of shared memory (slot q of lane sub at
 // sub + L·q; dead slots hold garbage), their sum into `sum`. Returns the row's log-sum-exp. Each
 // exponential is made once and stored without a test: the means are sums of these rows times
-// 1 / (S·sum) (topk_kernel), not atomics into one row, which made this 1,200 instructions a row
-// of the FFN (PERFORMANCE.md v41).
+// 1 / (S·sum) (topk_kernel), not atomics into one row, which would multiply this function's
+// instructions a row.
 template <int P, int L>
 __device__ __forceinline__ float row_exponentials(float* exps, float& sum, const uint32_t (&key)[P], uint32_t dead,
                                                   uint32_t row_top, int sub) {
@@ -198,7 +197,7 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
   // being ~mine), then, only if two of them are equal (the ranks then do not add up to k(k-1)/2),
   // the keys equal to it at a lower position, which is a lower expert: the compaction above was
   // slot-major. One comparison a key instead of a lexicographic one: the kernel is bound by the
-  // ALU pipe (PERFORMANCE.md v42).
+  // ALU pipe.
   const uint32_t mine = chosen_key[lane];
   uint32_t above[2] = {0, 0};
   for (int i = 0; i < k; i += 4) {
@@ -223,11 +222,10 @@ __device__ __forceinline__ void select_by_search(int32_t* index, float* weight, 
 // means.mean, each row's exponentials and their scale 1 / (S·sum) (0 for a row that is not live)
 // go to dynamic shared memory, and after the block's barrier each column's scaled sum over the
 // rows is added to the block's mean row. Attention's 12 experts take 16 lanes, so a warp does two
-// rows: with a warp a row, 20 of its lanes idled, and the regulariser's softmax made that top-k
-// 26 → 45 µs a call at 1B (docs/PERFORMANCE.md v40). Four blocks an SM up to 20 keys a lane (640
-// experts), which 64 registers hold without spilling: the FFN's search would take 80 registers
-// (three blocks) for its stored exponentials, and five blocks (48 registers) ran slower (v41).
-// Above that, the registers the kernel needs.
+// rows: with a warp a row, 20 of its lanes would idle through the regulariser's softmax. Four
+// blocks an SM up to 20 keys a lane (640 experts), which 64 registers hold without spilling: the
+// FFN's search would take 80 registers (three blocks) for its stored exponentials, and five
+// blocks leave too few (48). Above that, the registers the kernel needs.
 template <int P, int L, bool kSearch>
 __global__ void __launch_bounds__(kWarps * 32, P <= 20 ? 4 : 1) topk_kernel(int32_t* index, float* weight, const float* logits,
                                                                             float* packed, int groups, int64_t ld,
@@ -242,7 +240,7 @@ __global__ void __launch_bounds__(kWarps * 32, P <= 20 ? 4 : 1) topk_kernel(int3
   const BlockRow row = block_row<L>(means.T, groups);
   // A warp a row: a dead row is a dead warp, which skips it. Several rows a warp: each group's
   // lanes take part in the warp's shuffles, and write only for a live row. (Keeping the first
-  // form for L = 32 holds the FFN's top-k at 64 registers instead of 80: PERFORMANCE.md v40.)
+  // form for L = 32 holds the FFN's top-k at 64 registers instead of 80.)
   const bool live = L == 32 || row.live;
   if (L < 32 || row.live) {
     const int64_t r = row.r;
@@ -343,11 +341,10 @@ void topk_sigmoid_forward(int32_t* index, float* weight, const float* logits, in
   SoftmaxMeans at = means;
   if (!at.mean) at.T = n;  // the blocks' layout takes one sequence then
   // P: the logits a lane holds, at or above E / 32. Rounds cost k passes over a lane's P keys,
-  // the search one per bit it needs: rounds for k up to 4 (attention's k 2: 0.022 against 0.050
-  // ms for a full 32-bit search at 1B, PERFORMANCE.md v12), the search above (FFN k 24: 0.091
-  // against 0.107 ms, v20). Rows of up to 16 experts take a lane each of a group of 4, 8 or 16.
-  // (P 18 for the FFN's 565 experts, instead of 20, took 78 registers instead of 64 and ran 88
-  // µs a call instead of 78: PERFORMANCE.md v40.)
+  // the search one per bit it needs: rounds for k up to 4 (fewer passes than a full 32-bit
+  // search), the search above. Rows of up to 16 experts take a lane each of a group of 4, 8 or 16.
+  // (P is rounded up to the next listed ceiling: for the FFN's 565 experts 20 rather than 18,
+  // which holds the kernel at 64 registers where 18 would take 78.)
   with_ceiling<1, 2, 4, 8, 12, 16, 20, 24, 28, kMaxPerLane>((E + 31) / 32, [&](auto P) {
     // topk_kernel<P, L, search> on the grid that block_row<L> lays out.
     auto launch = [&](auto L, auto search) {

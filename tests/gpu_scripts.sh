@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU hosts' A/B script (launch/gpu-compare.sh) and check script (launch/gpu-check.sh) with
+# The GPU hosts' A/B script (launch/dev/gpu-compare.sh) and check script (launch/dev/gpu-check.sh) with
 # stand-in programs, so that what they run, from which folder and with which variable, is checked
 # where CI runs: a broken script costs a call of the scarce device time. Checks:
 # - both folder layouts (a build folder: launch/, tests/; a pack: the programs at its top);
@@ -40,7 +40,7 @@ echo "stand-in" > "$work/pack/source.txt"
 mkdir -p "$work/path" && stand_in "$work/path" nvidia-smi
 export PATH="$work/path:$PATH"
 
-out=$(OUT="$work/out1" ROUNDS=1 CVMM_ARGS="--stride-routing" "$root/launch/gpu-compare.sh" "$work/pack" "$work/build" 2>&1) ||
+out=$(OUT="$work/out1" ROUNDS=1 CVMM_ARGS="--stride-routing" "$root/launch/dev/gpu-compare.sh" "$work/pack" "$work/build" 2>&1) ||
   fail "two folders: exit status $? ($out)"
 grep -q "ran $work/build/tests/moeut_gpu_tests --gtest_filter=" <<< "$out" || fail "B's tests not from build/tests"
 grep -q "ran $work/pack/moeut-bench-cvmm 16384 --stride-routing" <<< "$out" ||
@@ -53,7 +53,7 @@ grep -qx "cvmm b 1: o dX 0.222 | v 0.221" "$work/out1/summary.txt" || fail "summ
 grep -qx "bench_1B a 1: step 341.1 ms | 48031 tokens/s" "$work/out1/summary.txt" || fail "summary: A's step"
 grep -q "^== cvmm_a_1" "$work/out1/cvmm.log" || fail "cvmm.log without A's run"
 
-out=$(OUT="$work/out2" ROUNDS=1 BENCHES=1B "$root/launch/gpu-compare.sh" --env MOEUT_TEST_VAR "$work/pack" 2>&1) ||
+out=$(OUT="$work/out2" ROUNDS=1 BENCHES=1B "$root/launch/dev/gpu-compare.sh" --env MOEUT_TEST_VAR "$work/pack" 2>&1) ||
   fail "--env: exit status $? ($out)"
 # section LOG NAME: step NAME's lines of a folded log.
 section() { awk -v h="== $2" '$0 == h { on = 1; next } /^== / { on = 0 } on' "$1"; }
@@ -61,7 +61,7 @@ section "$work/out2/bench_1B.log" bench_1B_a_1 | grep -q "var=1" || fail "--env:
 section "$work/out2/bench_1B.log" bench_1B_b_1 | grep -q "var=unset" || fail "--env: B with the variable"
 
 # The batch-32 steps and the kernel benchmark's tokens, each benchmark in its own log.
-out=$(OUT="$work/out6" ROUNDS=1 BENCHES="cvmm 1B_b32 244M 244M_b32" CVMM_TOKENS=65536 "$root/launch/gpu-compare.sh" \
+out=$(OUT="$work/out6" ROUNDS=1 BENCHES="cvmm 1B_b32 244M 244M_b32" CVMM_TOKENS=65536 "$root/launch/dev/gpu-compare.sh" \
   "$work/pack" "$work/build" 2>&1) || fail "batch 32: exit status $? ($out)"
 grep -q "ran $work/pack/moeut-bench-cvmm 65536 var" <<< "$out" || fail "CVMM_TOKENS not passed"
 grep -q "ran $work/build/launch/moeut-bench --config $root/configs/244M.cfg --batch 32" <<< "$out" || fail "244M b32 not run"
@@ -72,7 +72,7 @@ grep -qx "bench_244M_b32 b 1: step 341.1 ms | 48031 tokens/s" "$work/out6/summar
   fail "summary: B's 244M b32 step ($(cat "$work/out6/summary.txt"))"
 
 start=$SECONDS
-if out=$(OUT="$work/out3" STEP_LIMIT=2 "$root/launch/gpu-compare.sh" "$work/pack" "$work/hang" 2>&1); then
+if out=$(OUT="$work/out3" STEP_LIMIT=2 "$root/launch/dev/gpu-compare.sh" "$work/pack" "$work/hang" 2>&1); then
   fail "a hanging test passed ($out)"
 fi
 (( SECONDS - start < 20 )) || fail "the hanging test was not stopped at STEP_LIMIT"
@@ -81,7 +81,7 @@ grep -q "tests of B failed: no benchmarks" <<< "$out" || fail "no message for fa
 grep -qx "tests b: failed" "$work/out3/summary.txt" || fail "summary: B's failed tests"
 
 start=$SECONDS
-if out=$(OUT="$work/out4" STEP_LIMIT=2 ROUNDS=1 "$root/launch/gpu-compare.sh" "$work/pack" "$work/build" "$work/hang" \
+if out=$(OUT="$work/out4" STEP_LIMIT=2 ROUNDS=1 "$root/launch/dev/gpu-compare.sh" "$work/pack" "$work/build" "$work/hang" \
   '*Pairs*' 2>&1); then
   fail "three variants: a hanging test passed ($out)"
 fi
@@ -94,7 +94,7 @@ grep -q "^== bench_1B_a_1" "$work/out4/bench_1B.log" && grep -q "^== cvmm_b_1" "
 # before it are in the summary and the folded logs (the one it was in stays as its own log).
 mkdir -p "$work/slow" && cp "$work/pack/moeut_gpu_tests" "$work/pack/moeut-bench-cvmm" "$work/slow/"
 stand_in "$work/slow" moeut-bench "sleep 30"
-OUT="$work/out5" ROUNDS=1 "$root/launch/gpu-compare.sh" "$work/pack" "$work/slow" > /dev/null 2>&1 &
+OUT="$work/out5" ROUNDS=1 "$root/launch/dev/gpu-compare.sh" "$work/pack" "$work/slow" > /dev/null 2>&1 &
 killed=$!
 for _ in $(seq 100); do grep -qs "^bench_1B a 1:" "$work/out5/summary.txt" && break; sleep 0.1; done
 sleep 0.5
@@ -116,7 +116,7 @@ for program in moeut-bench moeut-bench-cvmm moeut-bench-scatter-floor; do
 done
 stand_in "$work/checkbuild/tests" moeut_gpu_tests
 echo "stand-in" > "$work/checkbuild/source.txt"
-out=$(OUT="$work/check" BIN="$work/checkbuild" "$root/launch/gpu-check.sh" 2>&1) || fail "gpu-check: exit status $? ($out)"
+out=$(OUT="$work/check" BIN="$work/checkbuild" "$root/launch/dev/gpu-check.sh" 2>&1) || fail "gpu-check: exit status $? ($out)"
 [ "$(ls "$work/check")" = "$(printf '%s\n' bench_cvmm_16k.log bench_cvmm_64k.log bench_steps.log gpu_tests.log \
   scatter_floor_16k.log scatter_phases_16k.log)" ] || fail "gpu-check: logs ($(ls "$work/check"))"
 for point in "244M.cfg --batch 16" "244M.cfg --batch 32" "1B.cfg --batch 16" "1B.cfg --batch 32"; do
@@ -125,13 +125,13 @@ for point in "244M.cfg --batch 16" "244M.cfg --batch 32" "1B.cfg --batch 16" "1B
 done
 grep -q "ran $work/checkbuild/tests/moeut_gpu_tests" "$work/check/gpu_tests.log" || fail "gpu-check: tests not from BIN"
 # PARTS="tests steps" on a pack (the programs at its top): the tests and the table alone.
-out=$(OUT="$work/check2" BIN="$work/pack" PARTS="tests steps" "$root/launch/gpu-check.sh" 2>&1) ||
+out=$(OUT="$work/check2" BIN="$work/pack" PARTS="tests steps" "$root/launch/dev/gpu-check.sh" 2>&1) ||
   fail "gpu-check PARTS: exit status $? ($out)"
 [ "$(ls "$work/check2")" = "$(printf '%s\n' bench_steps.log gpu_tests.log)" ] || fail "gpu-check PARTS: logs ($(ls "$work/check2"))"
 grep -q "ran $work/pack/moeut_gpu_tests" "$work/check2/gpu_tests.log" &&
   grep -q "ran $work/pack/moeut-bench --config $root/configs/244M.cfg --batch 32" "$work/check2/bench_steps.log" ||
   fail "gpu-check PARTS: programs not from the pack"
-if out=$(OUT="$work/check3" BIN="$work/pack" PARTS="tests table" "$root/launch/gpu-check.sh" 2>&1); then
+if out=$(OUT="$work/check3" BIN="$work/pack" PARTS="tests table" "$root/launch/dev/gpu-check.sh" 2>&1); then
   fail "gpu-check: an unknown part ran ($out)"
 fi
 grep -q "unknown part 'table'" <<< "$out" || fail "gpu-check: no message for an unknown part ($out)"

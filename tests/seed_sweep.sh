@@ -65,7 +65,7 @@ grep -q -- "--lr 2e-3" "$work/calls.txt" || fail "LR did not reach the runs"
 grep -q "^2 of 2 trained; final validation median 4.6000" "$work/out/good.txt" || fail "good sweep: $(cat "$work/out/good.txt")"
 # gpu-check.sh's "seeds" part runs the sweep from its BIN and fails with it.
 status=0
-out=$(OUT="$work/check" SEEDS="1 2" PARTS=seeds "$root/launch/gpu-check.sh" 2>&1) || status=$?
+out=$(OUT="$work/check" SEEDS="1 2" PARTS=seeds "$root/launch/dev/gpu-check.sh" 2>&1) || status=$?
 [ "$status" = 1 ] || fail "gpu-check seeds: exit status $status with a diverged seed ($out)"
 grep -q "^1 of 2 trained" "$work/check/seeds.txt" || fail "gpu-check seeds: no verdicts ($out)"
 echo "seed sweep script: ok"

@@ -29,7 +29,7 @@ using bf16 = __nv_bfloat16;
 
 // n calls of rng.normal(), scaled and rounded to bf16, so CPU reference and GPU kernel see the
 // same inputs; drawn in parallel, the same values as in turn (an expert weight at 1B is 111 M of
-// them: about 3 s in turn, which the GPU tests paid several times per shape).
+// them, slow to draw in turn, and the GPU tests draw several per shape).
 inline std::vector<float> random_bf16_values(size_t n, Rng& rng, double scale) {
   std::vector<float> v(n);
 #pragma omp parallel for schedule(static)

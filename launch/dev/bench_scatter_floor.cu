@@ -1,7 +1,7 @@
 // moeut-bench-scatter-floor [TOKENS]: the floor of the FFN scatters (down product, up input
 // gradient) at the 1B shapes: the additions of their 128 x 128 fp32 tiles into token rows
 // of [TOKENS, 1536] alone, with no product and no loads. The routing of moeut-bench-cvmm
-// (launch/bench_routing.h: each token's experts drawn at random, seed 1), row tiles of 128 selections of one expert (the last of an expert
+// (launch/dev/bench_routing.h: each token's experts drawn at random, seed 1), row tiles of 128 selections of one expert (the last of an expert
 // padded with its first row), the additions made three ways, with tiles taken band by band
 // (every tile of output columns [n0, n0 + 128) before the next band: the cvmm kernels' order)
 // and row by row:
@@ -9,8 +9,8 @@
 //  - 16-byte vector atomics from the threads;
 //  - plain 16-byte stores (no addition), for the bandwidth of the same access pattern;
 //  - 16-byte vector atomics of bf16 pairs into bf16 rows: what the scatters would cost with their
-//    sums kept in bf16 (half the bytes), which the training does not do (docs/PERFORMANCE.md
-//    v23 item 11 asks what that precision would be worth).
+//    sums kept in bf16 (half the bytes), which the training does not do: what that precision
+//    would be worth.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -22,8 +22,8 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/device_buffer.h"
-#include "launch/bench_routing.h"
-#include "launch/cuda_timing.h"
+#include "launch/dev/bench_routing.h"
+#include "launch/dev/cuda_timing.h"
 
 namespace {
 

@@ -3,16 +3,16 @@
 # shapes of moeut-bench-cvmm: where each product's bytes go (DRAM, L2 hits, L2 reductions) and
 # what its warps wait on, and how unevenly its SMs are kept busy (the busiest SM's active cycles
 # over the average: a persistent kernel whose blocks end apart shows it, docs/PERFORMANCE.md v26).
-# Usage: launch/gpu-kernel-metrics.sh [TOKENS [BENCH ARGS...]]  (BENCH ARGS go to moeut-bench-cvmm:
+# Usage: launch/dev/gpu-kernel-metrics.sh [TOKENS [BENCH ARGS...]]  (BENCH ARGS go to moeut-bench-cvmm:
 # --stride-routing, say)
 # BIN (environment): the folder holding moeut-bench-cvmm and its source.txt (default build-gpu's;
-# a folder that launch/gpu-pack.sh filled works too).
+# a folder that launch/dev/gpu-pack.sh filled works too).
 # Writes $OUT/kernel_metrics.csv (raw) and prints one line per product.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-/tmp/moeut-kernel-metrics}
 mkdir -p "$out"
-. "$root/launch/gpu-step.sh"
+. "$root/launch/dev/gpu-step.sh"
 bin=${BIN:-$root/build-gpu}
 bench=$(program_in "$bin" moeut-bench-cvmm)
 show_source "$bin"

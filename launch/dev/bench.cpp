@@ -10,7 +10,7 @@
 
 #include "core/gpu_model.h"
 #include "core/model.h"
-#include "launch/cuda_timing.h"
+#include "launch/dev/cuda_timing.h"
 #include "parallel/gpu_sharded_optimizer.h"
 
 namespace po = boost::program_options;

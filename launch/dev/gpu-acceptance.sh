@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a GPU host: the training checks of the CUDA path, from binaries built by launch/build-gpu.sh
+# On a GPU host: the training checks of the CUDA path, from binaries built by launch/dev/build-gpu.sh
 # and the Brown token files (data/brown, carried to the host):
 #  - tiny trained on the GPU (its final validation perplexity against the CPU run's, 226.77 in
 #    docs/RESULTS.md), its export evaluated by the CPU moeut-eval;
@@ -9,13 +9,13 @@
 # Logs and metrics go under $OUT; the weights (4 GB at 1B) under a scratch folder.
 # Exit status: failed steps.
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$root/build-gpu/launch
 data=$root/data/brown
 out=${OUT:-/tmp/moeut-gpu-acceptance}
 scratch=${TMPDIR:-/tmp}/moeut-gpu-acceptance
 mkdir -p "$out" "$scratch"
-. "$root/launch/gpu-step.sh"
+. "$root/launch/dev/gpu-step.sh"
 show_source "$root/build-gpu" | tee "$out/source.txt"
 step_tail=4
 step tiny_train "$bin/moeut-train" --config "$root/configs/tiny.cfg" --train_data "$data/train.bin" \

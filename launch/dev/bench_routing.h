@@ -3,9 +3,9 @@
 // same rows: 565 experts, top-24. Random (the default): each token's k distinct experts drawn at
 // random, as a router with random weights picks them, so the experts' rows vary (binomially: about
 // ±4% at 16k tokens) and with them the number and fill of their row tiles. Stride: each token takes
-// k distinct experts at a fixed stride, so every expert has the same rows (to one); the figures in
-// docs/PERFORMANCE.md before v28 used it, and it misleads (v28 item 1: the gather kernel's counter
-// order takes 30% longer on its rows than on random ones). Selection i = t·k + j
+// k distinct experts at a fixed stride, so every expert has the same rows (to one), which misleads:
+// kernels whose order depends on the rows (the gather's counters) run otherwise on the router's
+// random rows. Selection i = t·k + j
 // reads token row t and writes the row of its position in expert order, as the model's hidden
 // rows are stored; grouped.
 #pragma once

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On a host with two GPUs: trains a profile on one GPU and on two GPU ranks (np 2 for each ep
 # given), with the same seed and global batch, and compares the losses step by step. Binaries
-# from launch/build-gpu.sh, data from launch/fetch-brown.sh (data/brown). Logs under $OUT.
-#   launch/gpu-distributed-check.sh [config] [steps] [global batch] [ep...]
+# from launch/dev/build-gpu.sh, data from launch/fetch-brown.sh (data/brown). Logs under $OUT.
+#   launch/dev/gpu-distributed-check.sh [config] [steps] [global batch] [ep...]
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$root/build-gpu/launch
 out=${OUT:-/tmp/moeut-gpu-distributed}
 config=${1:-$root/configs/1B.cfg}
@@ -14,7 +14,7 @@ shift $(( $# < 3 ? $# : 3 ))
 eps=("${@:-1 2}")
 read -r -a eps <<< "${eps[*]}"
 mkdir -p "$out"
-. "$root/launch/gpu-step.sh"
+. "$root/launch/dev/gpu-step.sh"
 show_source "$root/build-gpu"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 common=(--config "$config" --train_data "$root/data/brown/train.bin" --val_data "$root/data/brown/val.bin"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Copies the binaries that launch/gpu-compare.sh runs out of a build folder (launch/build-gpu.sh)
+# Copies the binaries that launch/dev/gpu-compare.sh runs out of a build folder (launch/dev/build-gpu.sh)
 # into DEST (7 MB instead of the build's 55, so two variants fit in what the device tool
 # carries). DEST should match .gitignore's build-*/ (build-a, build-b), so the tool may carry it.
-#   launch/gpu-pack.sh BUILD DEST
+#   launch/dev/gpu-pack.sh BUILD DEST
 set -euo pipefail
 build=$1 dest=$2
 mkdir -p "$dest"

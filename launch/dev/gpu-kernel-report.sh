@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # On a GPU host: Nsight Compute's own report (speed of light, compute and memory workload, warp
 # stalls by reason, occupancy) for the first COUNT launches of the kernels matching REGEX in a
-# program, for kernels that launch/gpu-kernel-metrics.sh's fixed metrics do not explain (the
+# program, for kernels that launch/dev/gpu-kernel-metrics.sh's fixed metrics do not explain (the
 # pipes and shared memory of the flash kernels, say). SKIP (environment) launches that match are
 # passed over first.
-#   launch/gpu-kernel-report.sh NAME REGEX COUNT -- PROGRAM ARGS...
-# e.g. launch/gpu-kernel-report.sh flash_bwd flash_backward 1 -- build-gpu/launch/moeut-bench \
+#   launch/dev/gpu-kernel-report.sh NAME REGEX COUNT -- PROGRAM ARGS...
+# e.g. launch/dev/gpu-kernel-report.sh flash_bwd flash_backward 1 -- build-gpu/launch/moeut-bench \
 #        --config configs/1B.cfg --batch 16 --steps 1 --warmup 1
 # Writes $OUT/NAME.txt (the report) and $OUT/NAME.log (the program's output).
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-/tmp/moeut-kernel-report}
 mkdir -p "$out"
-. "$root/launch/gpu-step.sh"
+. "$root/launch/dev/gpu-step.sh"
 name=$1 regex=$2 count=$3
 [ "${4:-}" = -- ] || { echo "usage: $0 NAME REGEX COUNT -- PROGRAM ARGS..." >&2; exit 2; }
 shift 4

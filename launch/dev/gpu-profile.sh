@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # On a GPU host: device time per kernel of moeut-bench steps, through Nsight Compute (one metric,
 # gpu__time_duration, so each kernel runs once under the profiler), summed by kernel name.
-# Usage: launch/gpu-profile.sh CONFIG BATCH [LAYERS]
+# Usage: launch/dev/gpu-profile.sh CONFIG BATCH [LAYERS]
 #   LAYERS (optional) replaces n_layers, so a 1B-wide model profiles in a few hundred launches.
 # BIN (environment): the folder holding moeut-bench and its source.txt (default build-gpu's; a
-# folder that launch/gpu-pack.sh filled, such as gpu-compare.sh's build-b, works too).
+# folder that launch/dev/gpu-pack.sh filled, such as gpu-compare.sh's build-b, works too).
 # Writes $OUT/profile_<name>.csv (raw) and prints the table, largest first.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-/tmp/moeut-gpu-profile}
 mkdir -p "$out"
-. "$root/launch/gpu-step.sh"
+. "$root/launch/dev/gpu-step.sh"
 bin=${BIN:-$root/build-gpu}
 bench=$(program_in "$bin" moeut-bench)
 show_source "$bin"

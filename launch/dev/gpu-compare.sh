@@ -2,9 +2,9 @@
 # On a GPU host: an A/B measurement of a change in one call. The variants run side by side,
 # alternating, so all see the same machine: the expert kernels at 16k tokens (moeut-bench-cvmm)
 # and the 1B step (moeut-bench), each `rounds` times. The tests of every variant but A run first.
-#   launch/gpu-compare.sh DIR_A DIR_B [DIR_C ...] [FILTER]  builds' binaries (variants a, b, c, ...)
-#   launch/gpu-compare.sh --env VAR DIR [FILTER]            one build, A with VAR=1 set, B without it
-# A DIR is a build folder (launch/build-gpu.sh) or one that launch/gpu-pack.sh filled with the
+#   launch/dev/gpu-compare.sh DIR_A DIR_B [DIR_C ...] [FILTER]  builds' binaries (variants a, b, c, ...)
+#   launch/dev/gpu-compare.sh --env VAR DIR [FILTER]            one build, A with VAR=1 set, B without it
+# A DIR is a build folder (launch/dev/build-gpu.sh) or one that launch/dev/gpu-pack.sh filled with the
 # three binaries used here (two whole builds exceed what the device tool carries); arguments that
 # are folders are variants, a last one that is not is FILTER: the gtest filter for the tests
 # (default '*Cvmm*:*Plan*:*Model*'). Several variants in one call (a series of commits, say) share
@@ -19,10 +19,10 @@
 # summary.txt (tests passed or failed, and each run's timings on one line) and one log a kind.
 # Exit status: failed steps.
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-/tmp/moeut-gpu-compare}
 mkdir -p "$out"
-. "$root/launch/gpu-step.sh"
+. "$root/launch/dev/gpu-step.sh"
 step_tail=${step_tail:-12}
 declare -A dir_of
 names=(a b c d e f g h)

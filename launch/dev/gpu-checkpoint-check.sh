@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # On a host with two GPUs: a 1B (or given) checkpoint saved by GPU ranks (np 2, ep 2), then
 # resumed by them; the save and load lines (bytes, seconds, GB/s) land in $OUT/*.log.
-#   launch/gpu-checkpoint-check.sh [config] [checkpoint dir]
+#   launch/dev/gpu-checkpoint-check.sh [config] [checkpoint dir]
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$root/build-gpu/launch
 out=${OUT:-/tmp/moeut-gpu-checkpoint}
 config=${1:-$root/configs/1B.cfg}
 dir=${2:-/tmp/moeut-checkpoints}
 mkdir -p "$out"
-. "$root/launch/gpu-step.sh"
+. "$root/launch/dev/gpu-step.sh"
 show_source "$root/build-gpu"
 rm -rf "$dir"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0

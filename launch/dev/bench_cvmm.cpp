@@ -6,7 +6,7 @@
 // with no warm-up (for a profiler); --phases adds, for each product on the scatter kernel, the
 // clock cycles an item spends in each of its phases (CvmmRowsArgs::phase_cycles). Each token's
 // experts are drawn at random, as a router with random weights picks them; --stride-routing takes
-// them at a fixed stride instead (launch/bench_routing.h), as the figures before v28 did.
+// them at a fixed stride instead (launch/dev/bench_routing.h).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -20,8 +20,8 @@
 #include "core/rng.h"
 #include "core/side_stream.h"
 #include "kernels/cvmm_cuda.h"
-#include "launch/bench_routing.h"
-#include "launch/cuda_timing.h"
+#include "launch/dev/bench_routing.h"
+#include "launch/dev/cuda_timing.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU host: the GPU tests and the benchmarks, from binaries built by launch/build-gpu.sh
-# (BIN, environment: their build folder, default build-gpu; a folder that launch/gpu-pack.sh
+# On a GPU host: the GPU tests and the benchmarks, from binaries built by launch/dev/build-gpu.sh
+# (BIN, environment: their build folder, default build-gpu; a folder that launch/dev/gpu-pack.sh
 # filled serves for the tests and the training steps). PARTS (environment): which of "tests
 # kernels steps" run (default all three, about 8 minutes; "tests steps", the PERFORMANCE table
 # alone, about 4), or "seeds", the seed sweep (launch/gpu-seed-sweep.sh: 8 seeds of the 126M
@@ -8,7 +8,7 @@
 # Logs go under $OUT (the device tool brings them back, 8 files at most: this writes 6, the
 # sweep 2 more). Exit status: failed steps.
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=${BIN:-$root/build-gpu}
 out=${OUT:-/tmp/moeut-gpu-check}
 parts=" ${PARTS:-tests kernels steps} "
@@ -18,7 +18,7 @@ for part in $parts; do
 done
 runs() { [[ "$parts" == *" $1 "* ]]; }
 mkdir -p "$out"
-. "$root/launch/gpu-step.sh"
+. "$root/launch/dev/gpu-step.sh"
 # The GPU and the binaries' commit go to the output only: at most 8 files come back from the
 # device, and the steps below fill them.
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
