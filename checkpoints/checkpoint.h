@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "checkpoints/manifest.h"
-#include "core/trainer.h"
-#include "core/training_backend.h"
+#include "parallel/trainer.h"
+#include "parallel/training_backend.h"
 
 namespace moeut {
 

@@ -53,17 +53,20 @@ struct GpuModel::Layer {
   DeviceBuffer<int32_t> iv, io, i_ff;
   cuda::CvmmPlanBuffers plan_v, plan_o, plan_ff;  // kept from the forward to the backward pass
   // Expert parallelism: where the tokens went, and the rows this rank received.
-  GpuAllToAllDispatcher::Route route;
+  std::unique_ptr<GpuTokenDispatcher::Route> route;
   DeviceBuffer<bf16> recv_x;
   DeviceBuffer<int32_t> recv_index;
   DeviceBuffer<float> recv_weight;
   int64_t received = 0;
 };
 
-GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* expert_parallel, cudaStream_t stream)
+GpuModel::GpuModel(const ModelConfig& config, int64_t batch)
+    : GpuModel(config, batch, expert_shard(config.ff_n_experts, 1, 0), nullptr, nullptr) {}
+
+GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
+                   const GpuDispatcherFactory& make_dispatcher, cudaStream_t stream)
     : cfg_((validate(config), config)),
-      layout_(cfg_, expert_shard(cfg_.ff_n_experts, expert_parallel ? expert_parallel->size() : 1,
-                                 expert_parallel ? expert_parallel->rank() : 0)),
+      layout_(cfg_, shard),
       batch_(batch),
       B_(batch),
       stream_(stream),
@@ -75,8 +78,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, Communicator* exper
   const int64_t T = cfg_.context, N = batch * T, d = cfg_.d_model, H = cfg_.n_heads;
   const int64_t hd = H * cfg_.d_head, he = H * cfg_.att_n_experts, hk = H * cfg_.att_k;
   const int64_t Ef = layout_.shard().count, kf = cfg_.ff_k, total = layout_.total();
-  if (expert_parallel && expert_parallel->size() > 1)
-    dispatcher_ = std::make_unique<GpuAllToAllDispatcher>(*expert_parallel, cfg_.ff_n_experts, N, d, kf, stream_);
+  if (make_dispatcher) dispatcher_ = make_dispatcher(N, stream_);
   const int64_t M = dispatcher_ ? dispatcher_->max_received() : N;  // token rows the FFN experts here may see
   grads_ = DeviceBuffer<float>(size_t(total));
   zero_gradients();
@@ -354,11 +356,11 @@ void GpuModel::ffn_forward(int64_t l) {
     return;
   }
   mark(Part::kExperts);
-  L.received = dispatcher_->dispatch(L.route, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, L.recv_x.get(),
+  L.received = dispatcher_->dispatch(*L.route, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, L.recv_x.get(),
                                      L.recv_index.get(), L.recv_weight.get());
   MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(L.received * d) * sizeof(float), stream_));
   experts_forward(l, L.recv_index.get(), recv_rows_.get());
-  dispatcher_->combine(L.route, recv_rows_.get(), y);
+  dispatcher_->combine(*L.route, recv_rows_.get(), y);
 }
 
 void GpuModel::experts_forward(int64_t l, const int32_t* index, float* out) {
@@ -567,11 +569,11 @@ void GpuModel::ffn_backward(int64_t l) {
     experts_backward(l, dresb_.get(), dres_.get(), dw_.get());
   } else {
     mark(Part::kExperts);
-    dispatcher_->dispatch_grad(L.route, dresb_.get(), recv_dy_.get());
+    dispatcher_->dispatch_grad(*L.route, dresb_.get(), recv_dy_.get());
     MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(L.received * d) * sizeof(float), stream_));
     MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_dw_.get(), 0, size_t(L.received * kf) * sizeof(float), stream_));
     experts_backward(l, recv_dy_.get(), recv_rows_.get(), recv_dw_.get());
-    dispatcher_->combine_grad(L.route, recv_rows_.get(), recv_dw_.get(), dres_.get(), dw_.get());
+    dispatcher_->combine_grad(*L.route, recv_rows_.get(), recv_dw_.get(), dres_.get(), dw_.get());
   }
   // The router: its gradient's rows padded to router_ld (zeros past Ef), its weight likewise.
   const int64_t ld = router_ld(Ef);

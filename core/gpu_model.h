@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/gpu_token_dispatcher.h"
 #include "core/model.h"
 #include "core/params.h"
 #include "core/side_stream.h"
@@ -23,18 +24,18 @@
 #include "kernels/device_buffer.h"
 #include "kernels/entropy_reg_cuda.h"
 #include "kernels/lm_head_ce_cuda.h"
-#include "parallel/gpu_all_to_all_dispatcher.h"
 
 namespace moeut {
 
 class GpuModel {
  public:
-  // Buffers planned for `batch` sequences. With an expert-parallel group of several ranks, this
-  // rank holds its expert_shard() of the FFN experts and exchanges tokens with the group's
-  // other ranks (every rank of the group must make the same calls).
-  // Work runs on `stream` (one of its own when null).
-  GpuModel(const ModelConfig& config, int64_t batch, Communicator* expert_parallel = nullptr,
-           cudaStream_t stream = nullptr);
+  // Buffers planned for `batch` sequences, every FFN expert held here, work on a stream of its own.
+  GpuModel(const ModelConfig& config, int64_t batch);
+  // This rank holds `shard` of the FFN experts; with a dispatcher (made by make_dispatcher) it
+  // exchanges tokens with the ranks that hold the others (every one of them must make the same
+  // calls). Work runs on `stream` (one of its own when null).
+  GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard, const GpuDispatcherFactory& make_dispatcher,
+           cudaStream_t stream);
   ~GpuModel();
   GpuModel(const GpuModel&) = delete;
   GpuModel& operator=(const GpuModel&) = delete;
@@ -173,7 +174,7 @@ class GpuModel {
 
   ModelConfig cfg_;
   ParamLayout layout_;
-  std::unique_ptr<GpuAllToAllDispatcher> dispatcher_;  // expert parallelism; none when every expert is here
+  std::unique_ptr<GpuTokenDispatcher> dispatcher_;  // expert parallelism; none when every expert is here
   int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
   bool regularised_ = false;  // the pass being enqueued has the regularisers (all but evaluation)
   bool backward_ = false;     // and a backward pass (its forward keeps the LayerNorms' x̂ for it)

@@ -5,7 +5,7 @@
 #include <cstdio>
 
 #include "checkpoints/weights_file.h"
-#include "core/trainer.h"
+#include "parallel/trainer.h"
 #include "launch/options.h"
 
 namespace po = boost::program_options;

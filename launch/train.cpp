@@ -9,7 +9,7 @@
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/weights_file.h"
 #include "core/stop_request.h"
-#include "core/trainer.h"
+#include "parallel/trainer.h"
 #include "parallel/mpi_communicator.h"
 
 int main(int argc, char** argv) {

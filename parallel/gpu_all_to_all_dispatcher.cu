@@ -105,9 +105,9 @@ GpuAllToAllDispatcher::GpuAllToAllDispatcher(Communicator& expert_parallel, int6
   scan_scratch_ = cuda::DeviceBuffer<unsigned char>(std::max<size_t>(bytes, 1));
 }
 
-GpuAllToAllDispatcher::Route GpuAllToAllDispatcher::make_route() const {
-  Route r;
-  r.position = cuda::DeviceBuffer<int32_t>(size_t(ranks_ * max_tokens_));
+std::unique_ptr<GpuTokenDispatcher::Route> GpuAllToAllDispatcher::make_route() const {
+  auto r = std::make_unique<Sends>();
+  r->position = cuda::DeviceBuffer<int32_t>(size_t(ranks_ * max_tokens_));
   return r;
 }
 
@@ -116,8 +116,9 @@ void GpuAllToAllDispatcher::count(int64_t row_bytes, const std::vector<int64_t>&
     if (r != rank_) bytes_sent_ += rows[size_t(r)] * row_bytes;
 }
 
-int64_t GpuAllToAllDispatcher::dispatch(Route& route, const bf16* x, const int32_t* index, const float* weight,
+int64_t GpuAllToAllDispatcher::dispatch(Route& made, const bf16* x, const int32_t* index, const float* weight,
                                         int64_t tokens, bf16* recv_x, int32_t* recv_index, float* recv_weight) {
+  Sends& route = static_cast<Sends&>(made);
   if (tokens > max_tokens_)
     throw std::invalid_argument("GpuAllToAllDispatcher: " + std::to_string(tokens) + " tokens, planned for " +
                                 std::to_string(max_tokens_));
@@ -152,7 +153,8 @@ int64_t GpuAllToAllDispatcher::dispatch(Route& route, const bf16* x, const int32
   return route.received_rows;
 }
 
-void GpuAllToAllDispatcher::combine(const Route& route, const float* recv_y, float* out) {
+void GpuAllToAllDispatcher::combine(const Route& made, const float* recv_y, float* out) {
+  const Sends& route = static_cast<const Sends&>(made);
   comm_.all_to_all_v(recv_y, scaled_counts(route.received, d_), back_rows_.get(), scaled_counts(route.sent, d_));
   count(d_ * int64_t(sizeof(float)), route.received);
   if (route.tokens == 0) return;
@@ -162,7 +164,8 @@ void GpuAllToAllDispatcher::combine(const Route& route, const float* recv_y, flo
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-void GpuAllToAllDispatcher::dispatch_grad(const Route& route, const bf16* dy, bf16* recv_dy) {
+void GpuAllToAllDispatcher::dispatch_grad(const Route& made, const bf16* dy, bf16* recv_dy) {
+  const Sends& route = static_cast<const Sends&>(made);
   const int N = int(route.tokens);
   if (N > 0) {
     pack<<<ranks_ * N, 128, 0, stream_>>>(send_x_.get(), nullptr, nullptr, route.position.get(), dy, nullptr, nullptr, N,
@@ -174,8 +177,9 @@ void GpuAllToAllDispatcher::dispatch_grad(const Route& route, const bf16* dy, bf
   count(d_ * int64_t(sizeof(bf16)), route.sent);
 }
 
-void GpuAllToAllDispatcher::combine_grad(const Route& route, const float* recv_dx, const float* recv_dw, float* dx,
+void GpuAllToAllDispatcher::combine_grad(const Route& made, const float* recv_dx, const float* recv_dw, float* dx,
                                          float* dw) {
+  const Sends& route = static_cast<const Sends&>(made);
   comm_.all_to_all_v(recv_dx, scaled_counts(route.received, d_), back_rows_.get(), scaled_counts(route.sent, d_));
   comm_.all_to_all_v(recv_dw, scaled_counts(route.received, k_), back_weight_.get(), scaled_counts(route.sent, k_));
   count((d_ + k_) * int64_t(sizeof(float)), route.received);

@@ -12,45 +12,39 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "core/gpu_token_dispatcher.h"
 #include "kernels/device_buffer.h"
 #include "parallel/communicator.h"
 
 namespace moeut {
 
-class GpuAllToAllDispatcher {
+class GpuAllToAllDispatcher final : public GpuTokenDispatcher {
  public:
   // Tokens per call up to max_tokens, rows of width d, k selections among n_experts split over
   // the ranks of `expert_parallel` as expert_shard() splits them.
   GpuAllToAllDispatcher(Communicator& expert_parallel, int64_t n_experts, int64_t max_tokens, int64_t d, int64_t k,
                         cudaStream_t stream);
 
-  // Where one dispatch sent each token: kept from the forward to the backward pass.
-  struct Route {
+  std::unique_ptr<Route> make_route() const override;
+  int64_t max_received() const override { return ranks_ * max_tokens_; }
+  int64_t dispatch(Route& route, const __nv_bfloat16* x, const int32_t* index, const float* weight, int64_t tokens,
+                   __nv_bfloat16* recv_x, int32_t* recv_index, float* recv_weight) override;
+  void combine(const Route& route, const float* recv_y, float* out) override;
+  void dispatch_grad(const Route& route, const __nv_bfloat16* dy, __nv_bfloat16* recv_dy) override;
+  void combine_grad(const Route& route, const float* recv_dx, const float* recv_dw, float* dx, float* dw) override;
+  int64_t bytes_sent() const override { return bytes_sent_; }
+
+ private:
+  // This dispatcher's Route: each token's row in the send buffer per rank, and the rows sent to
+  // and received from each rank.
+  struct Sends final : Route {
     cuda::DeviceBuffer<int32_t> position;  // [ranks, max_tokens]: row in the send buffer, or -1
     std::vector<int64_t> sent, received;   // rows per rank
     int64_t tokens = 0, received_rows = 0;
   };
-  Route make_route() const;
-  int64_t max_received() const { return ranks_ * max_tokens_; }  // rows a rank can receive
-
-  // Sends x [tokens, d] with index/weight [tokens, k] (global expert ids); fills recv_x
-  // [received, d], recv_index [received, k] (local ids, -1: not here) and recv_weight.
-  // Returns the number of rows received.
-  int64_t dispatch(Route& route, const __nv_bfloat16* x, const int32_t* index, const float* weight, int64_t tokens,
-                   __nv_bfloat16* recv_x, int32_t* recv_index, float* recv_weight);
-  // Returns recv_y [received, d] to the senders; out [tokens, d] += the rows of each token.
-  void combine(const Route& route, const float* recv_y, float* out);
-  // Backward: dy [tokens, d] to the same ranks as the forward rows, into recv_dy.
-  void dispatch_grad(const Route& route, const __nv_bfloat16* dy, __nv_bfloat16* recv_dy);
-  // Returns recv_dx [received, d] and recv_dw [received, k]; dx [tokens, d] += the rows of each
-  // token, and dw [tokens, k] receives each slot's routing-weight gradient from its expert's rank.
-  void combine_grad(const Route& route, const float* recv_dx, const float* recv_dw, float* dx, float* dw);
-
-  int64_t bytes_sent() const { return bytes_sent_; }  // to other ranks, since construction
-
- private:
   void count(int64_t rows_per_rank_bytes, const std::vector<int64_t>& rows);
 
   Communicator& comm_;

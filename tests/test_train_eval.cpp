@@ -7,7 +7,7 @@
 
 #include "checkpoints/weights_file.h"
 #include "core/rng.h"
-#include "core/trainer.h"
+#include "parallel/trainer.h"
 #include "small_config.h"
 
 namespace moeut {

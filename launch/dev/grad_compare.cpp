@@ -11,7 +11,7 @@
 
 #include "checkpoints/weights_file.h"
 #include "core/gpu_model.h"
-#include "core/trainer.h"
+#include "parallel/trainer.h"
 #include "launch/options.h"
 
 namespace po = boost::program_options;

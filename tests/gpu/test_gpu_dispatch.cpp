@@ -85,15 +85,15 @@ void check_dispatch(Routing routing) {
     DeviceBuffer<int32_t> recv_index(M * k);
     DeviceBuffer<float> recv_weight(M * k);
 
-    GpuAllToAllDispatcher::Route route = dispatcher.make_route();
-    const int64_t received = dispatcher.dispatch(route, gx.get(), gindex.get(), gweight.get(), N, recv_x.get(),
+    const std::unique_ptr<GpuTokenDispatcher::Route> route = dispatcher.make_route();
+    const int64_t received = dispatcher.dispatch(*route, gx.get(), gindex.get(), gweight.get(), N, recv_x.get(),
                                                  recv_index.get(), recv_weight.get());
     if (routing == Routing::kSkewed && me != 0) {
       EXPECT_EQ(received, 0) << "rank " << me << " holds none of the chosen experts";
     }
     MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
     // This rank's "experts" over what it received, forward and backward.
-    dispatcher.dispatch_grad(route, gdy.get(), recv_dy.get());
+    dispatcher.dispatch_grad(*route, gdy.get(), recv_dy.get());
     MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
     const auto rx = to_float(recv_x.download()), rdy = to_float(recv_dy.download());
     std::vector<int32_t> rexperts = recv_index.download();  // local ids, then global ones
@@ -106,8 +106,8 @@ void check_dispatch(Routing routing) {
     const DeviceBuffer<float> gry(here.y), grdx(here.dx), grdw(here.dw);
     DeviceBuffer<float> out(std::vector<float>(size_t(N * d), 0.f)), dx(std::vector<float>(size_t(N * d), 0.f));
     DeviceBuffer<float> dw(std::vector<float>(size_t(N * k), NAN));
-    dispatcher.combine(route, gry.get(), out.get());
-    dispatcher.combine_grad(route, grdx.get(), grdw.get(), dx.get(), dw.get());
+    dispatcher.combine(*route, gry.get(), out.get());
+    dispatcher.combine_grad(*route, grdx.get(), grdw.get(), dx.get(), dw.get());
     MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
 
     const Played want = play_experts(N, d, k, index, weight, x, dy);

@@ -10,7 +10,7 @@
 #include <functional>
 
 #include "core/rng.h"
-#include "core/trainer.h"
+#include "parallel/trainer.h"
 #include "mpi/mpi_test.h"
 #include "parallel/all_gather_dispatcher.h"
 #include "parallel/all_to_all_dispatcher.h"

@@ -1,4 +1,4 @@
-#include "core/trainer.h"
+#include "parallel/trainer.h"
 
 #include <omp.h>
 #include <sched.h>

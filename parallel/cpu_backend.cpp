@@ -1,4 +1,4 @@
-#include "core/training_backend.h"
+#include "parallel/training_backend.h"
 #include "parallel/all_gather_dispatcher.h"
 #include "parallel/all_to_all_dispatcher.h"
 #include "parallel/communicator.h"

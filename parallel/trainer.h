@@ -9,7 +9,7 @@
 
 #include "core/config.h"
 #include "core/token_file.h"
-#include "core/training_backend.h"
+#include "parallel/training_backend.h"
 #include "parallel/communicator.h"
 
 namespace moeut {
