@@ -355,9 +355,9 @@ __global__ void __launch_bounds__(kRowsThreads) cvmm_rows_kernel(CvmmPlan plan, 
 //   in buffer s % 2) and multiply; a third adds each finished tile into its rows with 16-byte vector
 //   atomics while the first two go on with the next items. The tile passes between them
 //   through one fp32 buffer, its 16-byte chunks swizzled by row, guarded by two named barriers.
-//   The routing-weight gradient (value input gradient) is taken by the first two from that
-//   buffer while the third adds it (in the adding warpgroup it would make that warpgroup the
-//   bottleneck).
+//   When a caller asks for the routing-weight gradient (training takes the value experts' from
+//   cvmm_selection_dots instead), the first two take it from that buffer while the third adds the
+//   tile: in the adding warpgroup it would make that warpgroup the bottleneck.
 // - The indices are looked up ahead, one level of indirection per item, so no load waits on
 //   another within an iteration: item s + 5's tile (expert, first position), item s + 4's end,
 //   item s + 3's rows, item s + 1's routing weights. A block's item s lives in slot s % 4.
