@@ -60,6 +60,8 @@ struct GpuModel::Layer {
   int64_t received = 0;
 };
 
+using Kind = DeviceLedger::Kind;
+
 GpuModel::GpuModel(const ModelConfig& config, int64_t batch)
     : GpuModel(config, batch, expert_shard(config.ff_n_experts, 1, 0), nullptr, nullptr) {}
 
@@ -80,77 +82,77 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   const int64_t Ef = layout_.shard().count, kf = cfg_.ff_k, total = layout_.total();
   if (make_dispatcher) dispatcher_ = make_dispatcher(N, stream_);
   const int64_t M = dispatcher_ ? dispatcher_->max_received() : N;  // token rows the FFN experts here may see
-  grads_ = DeviceBuffer<float>(size_t(total));
+  grads_ = ledger_.allocate<float>(Kind::kGradients, size_t(total));
   zero_gradients();
-  working_ = DeviceBuffer<bf16>(size_t(total));
-  inputs_ = DeviceBuffer<int32_t>(size_t(N));
-  targets_ = DeviceBuffer<int32_t>(size_t(N));
-  residual_ = DeviceBuffer<float>(size_t(N * d));
+  working_ = ledger_.allocate<bf16>(Kind::kWeights, size_t(total));
+  inputs_ = ledger_.allocate<int32_t>(Kind::kWorkspace, size_t(N));
+  targets_ = ledger_.allocate<int32_t>(Kind::kWorkspace, size_t(N));
+  residual_ = ledger_.allocate<float>(Kind::kActivations, size_t(N * d));
   layers_.resize(size_t(cfg_.n_layers));
   planner_ = std::make_unique<cuda::CvmmPlanner>(std::max(M * kf, N * hk), std::max(Ef, he), std::max(M, N));
   for (Layer& L : layers_) {
     for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) *plan = planner_->make_buffers();
-    for (auto* b : {&L.xb, &L.x_midb, &L.xhat1, &L.xhat2}) *b = DeviceBuffer<bf16>(size_t(N * d));
-    L.qk = DeviceBuffer<bf16>(size_t(N * 2 * hd));
-    L.v = DeviceBuffer<bf16>(size_t(N * hd));
-    L.heads = DeviceBuffer<bf16>(size_t(N * hd));
-    L.v_sel = DeviceBuffer<bf16>(size_t(N * hk * cfg_.d_head));
-    L.hidden = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
+    for (auto* b : {&L.xb, &L.x_midb, &L.xhat1, &L.xhat2}) *b = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * d));
+    L.qk = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * 2 * hd));
+    L.v = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * hd));
+    L.heads = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * hd));
+    L.v_sel = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * hk * cfg_.d_head));
+    L.hidden = ledger_.allocate<bf16>(Kind::kActivations, size_t(M * kf * cfg_.ff_expert_size));
     if (dispatcher_) {
       L.route = dispatcher_->make_route();
-      L.recv_x = DeviceBuffer<bf16>(size_t(M * d));
-      L.recv_index = DeviceBuffer<int32_t>(size_t(M * kf));
-      L.recv_weight = DeviceBuffer<float>(size_t(M * kf));
+      L.recv_x = ledger_.allocate<bf16>(Kind::kExchange, size_t(M * d));
+      L.recv_index = ledger_.allocate<int32_t>(Kind::kExchange, size_t(M * kf));
+      L.recv_weight = ledger_.allocate<float>(Kind::kExchange, size_t(M * kf));
     }
-    for (auto* b : {&L.rstd1, &L.rstd2}) *b = DeviceBuffer<float>(size_t(N));
-    L.lse = DeviceBuffer<float>(size_t(N * H));
-    for (auto* b : {&L.zv, &L.zo}) *b = DeviceBuffer<float>(size_t(N * he));
-    for (auto* b : {&L.zv_lse, &L.zo_lse}) *b = DeviceBuffer<float>(size_t(N * H));
-    L.z_lse = DeviceBuffer<float>(size_t(N));
-    for (auto* b : {&L.wv, &L.wo}) *b = DeviceBuffer<float>(size_t(N * hk));
-    for (auto* b : {&L.iv, &L.io}) *b = DeviceBuffer<int32_t>(size_t(N * hk));
-    L.z = DeviceBuffer<float>(size_t(N * cfg_.ff_n_experts));
-    L.w_ff = DeviceBuffer<float>(size_t(N * kf));
-    L.i_ff = DeviceBuffer<int32_t>(size_t(N * kf));
+    for (auto* b : {&L.rstd1, &L.rstd2}) *b = ledger_.allocate<float>(Kind::kActivations, size_t(N));
+    L.lse = ledger_.allocate<float>(Kind::kActivations, size_t(N * H));
+    for (auto* b : {&L.zv, &L.zo}) *b = ledger_.allocate<float>(Kind::kActivations, size_t(N * he));
+    for (auto* b : {&L.zv_lse, &L.zo_lse}) *b = ledger_.allocate<float>(Kind::kActivations, size_t(N * H));
+    L.z_lse = ledger_.allocate<float>(Kind::kActivations, size_t(N));
+    for (auto* b : {&L.wv, &L.wo}) *b = ledger_.allocate<float>(Kind::kActivations, size_t(N * hk));
+    for (auto* b : {&L.iv, &L.io}) *b = ledger_.allocate<int32_t>(Kind::kActivations, size_t(N * hk));
+    L.z = ledger_.allocate<float>(Kind::kActivations, size_t(N * cfg_.ff_n_experts));
+    L.w_ff = ledger_.allocate<float>(Kind::kActivations, size_t(N * kf));
+    L.i_ff = ledger_.allocate<int32_t>(Kind::kActivations, size_t(N * kf));
   }
-  xf_ = DeviceBuffer<bf16>(size_t(N * d));
-  xn_ = DeviceBuffer<bf16>(size_t(N * d));
-  xhat_f_ = DeviceBuffer<bf16>(size_t(N * d));
+  xf_ = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * d));
+  xn_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * d));
+  xhat_f_ = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * d));
   if (cfg_.repeats() > 1) {  // some uses defer their expert weight gradients (see WeightGradTurn)
-    deferred_dy_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * M * d));
-    deferred_dhidden_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * M * kf * cfg_.ff_expert_size));
+    deferred_dy_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(cfg_.group_size * M * d));
+    deferred_dhidden_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(cfg_.group_size * M * kf * cfg_.ff_expert_size));
   }
-  rstd_f_ = DeviceBuffer<float>(size_t(N));
-  row_loss_ = DeviceBuffer<float>(size_t(N));
+  rstd_f_ = ledger_.allocate<float>(Kind::kActivations, size_t(N));
+  row_loss_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(N));
   inputs_host_ = cuda::PinnedBuffer<int32_t>(size_t(N));
   targets_host_ = cuda::PinnedBuffer<int32_t>(size_t(N));
   row_loss_host_ = cuda::PinnedBuffer<float>(size_t(N));
   reg_loss_host_ = cuda::PinnedBuffer<double>(2);
   rstd_f_host_ = cuda::PinnedBuffer<float>(size_t(N));
-  mark_clocks_ = DeviceBuffer<uint64_t>(size_t(64 * cfg_.n_layers + 64));  // a layer's passes make about 30 marks
+  mark_clocks_ = ledger_.allocate<uint64_t>(Kind::kWorkspace, size_t(64 * cfg_.n_layers + 64));  // a layer's passes make about 30 marks
   if (const char* off = std::getenv("MOEUT_NO_GRAPHS"); off && std::string(off) == "1") graphs_on_ = false;
-  reg_loss_ = DeviceBuffer<double>(2);
-  for (auto* b : {&dres_, &dxf_}) *b = DeviceBuffer<float>(size_t(N * d));
-  dxn_ = DeviceBuffer<bf16>(size_t(N * d));
-  dw_ = DeviceBuffer<float>(size_t(N * std::max(kf, hk)));
+  reg_loss_ = ledger_.allocate<double>(Kind::kWorkspace, 2);
+  for (auto* b : {&dres_, &dxf_}) *b = ledger_.allocate<float>(Kind::kWorkspace, size_t(N * d));
+  dxn_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * d));
+  dw_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(N * std::max(kf, hk)));
   // Padded rows (see router_ld): the FFN router, and the attention's two routers in one product.
   const int64_t router_rows = router_ld(std::max(cfg_.ff_n_experts, 2 * he));
-  router_logits_ = DeviceBuffer<float>(size_t(N * router_rows));
-  dzb_ = DeviceBuffer<bf16>(size_t(N * router_rows));
+  router_logits_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(N * router_rows));
+  dzb_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * router_rows));
   MOEUT_CUDA_CHECK(cudaMemset(dzb_.get(), 0, dzb_.size() * sizeof(bf16)));  // its padding stays zero
-  dheads_f32_ = DeviceBuffer<float>(size_t(N * hd));
-  att_dw_staging_ = DeviceBuffer<bf16>(size_t(N * hk * 128));  // positions x 128 (see CvmmWeightGradArgs::staging)
-  dresb_ = DeviceBuffer<bf16>(size_t(N * d));
-  dhidden_ = DeviceBuffer<bf16>(size_t(M * kf * cfg_.ff_expert_size));
+  dheads_f32_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(N * hd));
+  att_dw_staging_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * hk * 128));  // positions x 128 (see CvmmWeightGradArgs::staging)
+  dresb_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * d));
+  dhidden_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(M * kf * cfg_.ff_expert_size));
   if (dispatcher_) {
-    recv_rows_ = DeviceBuffer<float>(size_t(M * d));
-    recv_dw_ = DeviceBuffer<float>(size_t(M * kf));
-    recv_dy_ = DeviceBuffer<bf16>(size_t(M * d));
+    recv_rows_ = ledger_.allocate<float>(Kind::kExchange, size_t(M * d));
+    recv_dw_ = ledger_.allocate<float>(Kind::kExchange, size_t(M * kf));
+    recv_dy_ = ledger_.allocate<bf16>(Kind::kExchange, size_t(M * d));
   }
-  dv_ = DeviceBuffer<bf16>(size_t(N * hd));
+  dv_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * hd));
   attn_in_ld_ = (2 * hd + 2 * he + 7) / 8 * 8;  // rows 16-byte multiples, for cuBLAS's aligned kernels
-  attn_in_grad_ = DeviceBuffer<bf16>(size_t(N * attn_in_ld_));
-  attn_in_weights_ = DeviceBuffer<bf16>(size_t(cfg_.group_size * attn_in_ld_ * d));
+  attn_in_grad_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * attn_in_ld_));
+  attn_in_weights_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(cfg_.group_size * attn_in_ld_ * d));
   MOEUT_CUDA_CHECK(cudaMemset(attn_in_grad_.get(), 0, attn_in_grad_.size() * sizeof(bf16)));
   MOEUT_CUDA_CHECK(cudaMemset(attn_in_weights_.get(), 0, attn_in_weights_.size() * sizeof(bf16)));
   std::vector<std::pair<std::string, int64_t>> padded;  // router products needing a padded copy: first weight, rows
@@ -166,12 +168,12 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
         layout_.at(p + "attention.sel_o").offset != q + (2 * hd + he) * d)
       throw std::logic_error("GpuModel: attention q, k and router weights are expected adjacent in the layout");
   }
-  padded_routers_ = DeviceBuffer<bf16>(size_t(padded.size() * router_rows * d));
+  padded_routers_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(padded.size() * router_rows * d));
   MOEUT_CUDA_CHECK(cudaMemset(padded_routers_.get(), 0, padded_routers_.size() * sizeof(bf16)));
   for (size_t i = 0; i < padded.size(); ++i)
     padded_router_at_[padded[i].first] = {padded_routers_.get() + i * router_rows * d, padded[i].second};
   if (const int64_t ld = router_ld(cfg_.ff_n_experts); ld != cfg_.ff_n_experts) {
-    router_grads_padded_ = DeviceBuffer<float>(size_t(cfg_.group_size * ld * d));
+    router_grads_padded_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(cfg_.group_size * ld * d));
     MOEUT_CUDA_CHECK(cudaMemset(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float)));
   }
   attention_ = std::make_unique<cuda::CausalAttention>(cublas_, batch, T, H, cfg_.d_head);
@@ -180,6 +182,11 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   reg_att_v_ = std::make_unique<cuda::EntropyReg>(G, batch, T, H, cfg_.att_n_experts, R);
   reg_att_o_ = std::make_unique<cuda::EntropyReg>(G, batch, T, H, cfg_.att_n_experts, R);
   head_ = std::make_unique<cuda::LmHeadCE>(cublas_, cfg_.n_tokens, d);
+  for (const Layer& L : layers_)
+    ledger_.add(Kind::kActivations, L.plan_v.device_bytes() + L.plan_o.device_bytes() + L.plan_ff.device_bytes());
+  ledger_.add(Kind::kWorkspace, planner_->device_bytes() + attention_->device_bytes() + reg_ffn_->device_bytes() +
+                                    reg_att_v_->device_bytes() + reg_att_o_->device_bytes() + head_->device_bytes());
+  if (dispatcher_) ledger_.add(Kind::kExchange, dispatcher_->device_bytes(layers_.size()));
 }
 
 const char* GpuModel::part_name(Part p) {
@@ -315,8 +322,10 @@ void GpuModel::attention_forward(int64_t l) {
   // small kernels bound by latency, run on the side stream beside q, k and RoPE; the output
   // experts' plan, needed only after the attention, is built beside the value experts too.
   route(xn_.get(), p + "attention.sel_v",
-        {{H, Ea, ka, L.zv.get(), L.iv.get(), L.wv.get(), reg_means(*reg_att_v_, l, L.zv_lse.get())},
-         {H, Ea, ka, L.zo.get(), L.io.get(), L.wo.get(), reg_means(*reg_att_o_, l, L.zo_lse.get())}},
+        {{.groups = H, .E = Ea, .k = ka, .z = L.zv.get(), .index = L.iv.get(), .w = L.wv.get(),
+          .means = reg_means(*reg_att_v_, l, L.zv_lse.get())},
+         {.groups = H, .E = Ea, .k = ka, .z = L.zo.get(), .index = L.io.get(), .w = L.wo.get(),
+          .means = reg_means(*reg_att_o_, l, L.zo_lse.get())}},
         true);
   planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, side_->get());
   side_->mark();
@@ -329,15 +338,21 @@ void GpuModel::attention_forward(int64_t l) {
   cuda::rope_forward(L.qk.get(), B_, T, 2 * H, dh, cfg_.rope_dims(), stream_);
   mark(Part::kExperts);
   side_->join_marked();
-  cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()), {L.xb.get(), wparam(p + "attention.v"), nullptr, L.v_sel.get(),
-                                                         nullptr, nullptr, nullptr, d, dh, false, false}, stream_);
+  cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()),
+                  {.X = L.xb.get(), .W = wparam(p + "attention.v"), .weight = nullptr, .out = L.v_sel.get(),
+                   .out_f32 = nullptr, .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = dh, .transpose_w = false,
+                   .accumulate = false},
+                  stream_);
   cuda::cvmm_sum_selections(L.v.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
   mark(Part::kAttention);
   attention_->forward(L.heads.get(), L.lse.get(), L.qk.get(), L.qk.get() + hd, L.v.get(), stream_, 2 * hd);
   mark(Part::kExperts);
   side_->join();
-  cuda::cvmm_rows(L.plan_o.view(), {L.heads.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, residual_.get(), nullptr,
-                                     nullptr, dh, d, false, true, N}, stream_);
+  cuda::cvmm_rows(L.plan_o.view(),
+                  {.X = L.heads.get(), .W = wparam(p + "attention.o"), .weight = L.wo.get(), .out = nullptr,
+                   .out_f32 = residual_.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
+                   .transpose_w = false, .accumulate = true, .out_rows = N},
+                  stream_);
 }
 
 void GpuModel::ffn_forward(int64_t l) {
@@ -349,7 +364,8 @@ void GpuModel::ffn_forward(int64_t l) {
   cuda::layernorm_forward(xn_.get(), L.rstd2.get(), y, wparam(p + "ln2.weight"), wparam(p + "ln2.bias"), N, d, stream_,
                           L.x_midb.get(), backward_ ? L.xhat2.get() : nullptr);
   route(xn_.get(), p + "ffn.expert_sel",
-        {{1, Ef, kf, L.z.get(), L.i_ff.get(), L.w_ff.get(), reg_means(*reg_ffn_, l, L.z_lse.get())}});
+        {{.groups = 1, .E = Ef, .k = kf, .z = L.z.get(), .index = L.i_ff.get(), .w = L.w_ff.get(),
+          .means = reg_means(*reg_ffn_, l, L.z_lse.get())}});
   if (!dispatcher_) {
     mark(Part::kExperts);
     experts_forward(l, L.i_ff.get(), y);
@@ -370,10 +386,16 @@ void GpuModel::experts_forward(int64_t l, const int32_t* index, float* out) {
   const ExpertRows in = expert_rows(l);
   mark(Part::kExperts);
   planner_->build(L.plan_ff, index, in.rows, 1, E, kf, cuda::CvmmRoute::kGatherToPositions, stream_);
-  cuda::cvmm_rows(L.plan_ff.view(), {in.X, wparam(p + "ffn.keys"), nullptr, L.hidden.get(), nullptr, nullptr, nullptr, d,
-                                      es, false, false, 0, cuda::CvmmRowsArgs::Relu::kApply}, stream_);
-  cuda::cvmm_rows(L.plan_ff.view(true), {L.hidden.get(), wparam(p + "ffn.values"), in.weight, nullptr, out, nullptr,
-                                          nullptr, es, d, false, true, in.rows}, stream_);
+  cuda::cvmm_rows(L.plan_ff.view(),
+                  {.X = in.X, .W = wparam(p + "ffn.keys"), .weight = nullptr, .out = L.hidden.get(), .out_f32 = nullptr,
+                   .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es, .transpose_w = false, .accumulate = false,
+                   .relu = cuda::CvmmRowsArgs::Relu::kApply},
+                  stream_);
+  cuda::cvmm_rows(L.plan_ff.view(true),
+                  {.X = L.hidden.get(), .W = wparam(p + "ffn.values"), .weight = in.weight, .out = nullptr,
+                   .out_f32 = out, .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d, .transpose_w = false,
+                   .accumulate = true, .out_rows = in.rows},
+                  stream_);
 }
 
 LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pass) {
@@ -418,7 +440,8 @@ void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
       if (graphs_.front().exec) MOEUT_CUDA_CHECK(cudaGraphExecDestroy(graphs_.front().exec));
       graphs_.erase(graphs_.begin());
     }
-    graphs_.push_back({pass, B, weight, profiling_, expert_grads_written_, {}, {}, nullptr});
+    graphs_.push_back({.pass = pass, .B = B, .weight = weight, .profiled = profiling_,
+                       .written_before = expert_grads_written_, .written_after = {}, .mark_parts = {}});
     enqueue(B, weight, pass);
     return;
   }
@@ -594,8 +617,8 @@ void GpuModel::ffn_backward(int64_t l) {
 
 GpuModel::ExpertRows GpuModel::expert_rows(int64_t l) const {
   const Layer& L = layers_[l];
-  if (dispatcher_) return {L.recv_x.get(), L.recv_weight.get(), L.received};
-  return {L.x_midb.get(), L.w_ff.get(), B_ * cfg_.context};
+  if (dispatcher_) return {.X = L.recv_x.get(), .weight = L.recv_weight.get(), .rows = L.received};
+  return {.X = L.x_midb.get(), .weight = L.w_ff.get(), .rows = B_ * cfg_.context};
 }
 
 GpuModel::WeightGradTurn GpuModel::weight_grad_turn(int64_t l) const {
@@ -637,24 +660,38 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
     }
   };
   float* const dvalues = gparam(p + "ffn.values");
-  weight_grad(L.plan_ff.view(true), {L.hidden.get(), dY, in.weight, true, dvalues, es, d, E, overwrite},
+  weight_grad(L.plan_ff.view(true),
+              {.A = L.hidden.get(), .B = dY, .weight = in.weight, .a_by_in_row = true, .dW = dvalues, .K = es, .N = d,
+               .n_experts = E, .overwrite = overwrite},
               [&](const Layer& U, const ExpertRows& rows) {
-                return std::pair{U.plan_ff.view(true), cuda::CvmmWeightGradArgs{U.hidden.get(), deferred_dy, rows.weight,
-                                                                                true, dvalues, es, d, E, overwrite}};
+                return std::pair{U.plan_ff.view(true),
+                                 cuda::CvmmWeightGradArgs{.A = U.hidden.get(), .B = deferred_dy, .weight = rows.weight,
+                                                          .a_by_in_row = true, .dW = dvalues, .K = es, .N = d,
+                                                          .n_experts = E, .overwrite = overwrite}};
               });
   // dhidden comes out already through the ReLU's gradient (masked where hidden is 0); the
   // routing-weight gradient is the same either way, its dot products reading hidden itself.
-  cuda::cvmm_rows(L.plan_ff.view(), {dY, wparam(p + "ffn.values"), in.weight, dhidden, nullptr, dw, L.hidden.get(), d, es,
-                                      true, false, 0, cuda::CvmmRowsArgs::Relu::kMaskByDotRows}, stream_);
+  cuda::cvmm_rows(L.plan_ff.view(),
+                  {.X = dY, .W = wparam(p + "ffn.values"), .weight = in.weight, .out = dhidden, .out_f32 = nullptr,
+                   .dweight = dw, .dot_rows = L.hidden.get(), .K = d, .N = es, .transpose_w = true, .accumulate = false,
+                   .relu = cuda::CvmmRowsArgs::Relu::kMaskByDotRows},
+                  stream_);
   float* const dkeys = gparam(p + "ffn.keys");
-  weight_grad(L.plan_ff.view(), {in.X, dhidden, nullptr, true, dkeys, d, es, E, overwrite},
+  weight_grad(L.plan_ff.view(),
+              {.A = in.X, .B = dhidden, .weight = nullptr, .a_by_in_row = true, .dW = dkeys, .K = d, .N = es,
+               .n_experts = E, .overwrite = overwrite},
               [&](const Layer& U, const ExpertRows& rows) {
                 return std::pair{U.plan_ff.view(),
-                                 cuda::CvmmWeightGradArgs{rows.X, deferred_dh, nullptr, true, dkeys, d, es, E, overwrite}};
+                                 cuda::CvmmWeightGradArgs{.A = rows.X, .B = deferred_dh, .weight = nullptr,
+                                                          .a_by_in_row = true, .dW = dkeys, .K = d, .N = es,
+                                                          .n_experts = E, .overwrite = overwrite}};
               });
   if (turn != WeightGradTurn::kDefer) expert_grads_written_[size_t(g)] = 1;
-  cuda::cvmm_rows(L.plan_ff.view(true), {dhidden, wparam(p + "ffn.keys"), nullptr, nullptr, dX, nullptr, nullptr, es, d,
-                                          true, true, in.rows}, stream_);
+  cuda::cvmm_rows(L.plan_ff.view(true),
+                  {.X = dhidden, .W = wparam(p + "ffn.keys"), .weight = nullptr, .out = nullptr, .out_f32 = dX,
+                   .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d, .transpose_w = true, .accumulate = true,
+                   .out_rows = in.rows},
+                  stream_);
   side_->join();
 }
 
@@ -671,11 +708,16 @@ void GpuModel::attention_backward(int64_t l) {
   // The expert weight gradients run on the side stream (see experts_backward) until the
   // LayerNorm backward below writes dresb again.
   side_->fork();
-  cuda::cvmm_weight_grad(L.plan_o.view(), {L.heads.get(), dresb_.get(), L.wo.get(), true, gparam(p + "attention.o"), dh,
-                                            d, H * Ea, false, att_dw_staging_.get()},
+  cuda::cvmm_weight_grad(L.plan_o.view(),
+                         {.A = L.heads.get(), .B = dresb_.get(), .weight = L.wo.get(), .a_by_in_row = true,
+                          .dW = gparam(p + "attention.o"), .K = dh, .N = d, .n_experts = H * Ea,
+                          .staging = att_dw_staging_.get()},
                          side_->get());
-  cuda::cvmm_rows(L.plan_o.view(true), {dresb_.get(), wparam(p + "attention.o"), L.wo.get(), nullptr, dheads_f32_.get(),
-                                         dw_.get(), L.heads.get(), d, dh, true, true, N * H}, stream_);
+  cuda::cvmm_rows(L.plan_o.view(true),
+                  {.X = dresb_.get(), .W = wparam(p + "attention.o"), .weight = L.wo.get(), .out = nullptr,
+                   .out_f32 = dheads_f32_.get(), .dweight = dw_.get(), .dot_rows = L.heads.get(), .K = d, .N = dh,
+                   .transpose_w = true, .accumulate = true, .out_rows = N * H},
+                  stream_);
   // The gradients of LN1's four readers go side by side into attn_in_grad_ (see gpu_model.h):
   // dq, dk, the value router's, the output router's.
   bf16* const dq = attn_in_grad_.get();
@@ -694,8 +736,11 @@ void GpuModel::attention_backward(int64_t l) {
   // Value experts read the raw residual: their input gradient adds onto dres. Their routing-weight
   // gradient dots dv with each selection's kept row.
   mark(Part::kExperts);
-  cuda::cvmm_rows(L.plan_v.view(true), {dv_.get(), wparam(p + "attention.v"), L.wv.get(), nullptr, dres_.get(), nullptr,
-                                         nullptr, dh, d, true, true, N}, stream_);
+  cuda::cvmm_rows(L.plan_v.view(true),
+                  {.X = dv_.get(), .W = wparam(p + "attention.v"), .weight = L.wv.get(), .out = nullptr,
+                   .out_f32 = dres_.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
+                   .transpose_w = true, .accumulate = true, .out_rows = N},
+                  stream_);
   cuda::cvmm_selection_dots(dw_.get(), L.v_sel.get(), dv_.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
   routing_grad(reg_att_v_->gradient(g, L.zv.get(), L.zv_lse.get()), L.iv.get(), L.wv.get(), H, Ea, ka, dz_v,
                attn_in_ld_);
@@ -716,8 +761,10 @@ void GpuModel::attention_backward(int64_t l) {
   // gradients and the next layer's FFN backward, whose join comes before dv_ is written again.
   mark(Part::kExperts);
   side_->fork();
-  cuda::cvmm_weight_grad(L.plan_v.view(), {L.xb.get(), dv_.get(), L.wv.get(), true, gparam(p + "attention.v"), d, dh,
-                                            H * Ea, false, att_dw_staging_.get()},
+  cuda::cvmm_weight_grad(L.plan_v.view(),
+                         {.A = L.xb.get(), .B = dv_.get(), .weight = L.wv.get(), .a_by_in_row = true,
+                          .dW = gparam(p + "attention.v"), .K = d, .N = dh, .n_experts = H * Ea,
+                          .staging = att_dw_staging_.get()},
                          side_->get());
   mark(Part::kDense);
   // The weight gradients: q, k and the two routers are adjacent in the layout (checked at

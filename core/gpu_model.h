@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/device_ledger.h"
 #include "core/gpu_token_dispatcher.h"
 #include "core/model.h"
 #include "core/params.h"
@@ -42,6 +43,8 @@ class GpuModel {
 
   const ModelConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
+  // What the model keeps on the device, by kind (its own buffers and its kernels').
+  const DeviceLedger& ledger() const { return ledger_; }
   // The bf16 working copy of every parameter (the fp32 master copy lives in the optimizer).
   void set_parameters(const std::vector<float>& params);
   std::vector<float> gradients();
@@ -174,6 +177,7 @@ class GpuModel {
 
   ModelConfig cfg_;
   ParamLayout layout_;
+  DeviceLedger ledger_;  // every buffer below is allocated through it
   std::unique_ptr<GpuTokenDispatcher> dispatcher_;  // expert parallelism; none when every expert is here
   int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
   bool regularised_ = false;  // the pass being enqueued has the regularisers (all but evaluation)

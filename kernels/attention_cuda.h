@@ -21,6 +21,9 @@ class CausalAttention {
   // side. The workspace is sized for B sequences; set_batch runs later calls on fewer.
   CausalAttention(cublasHandle_t cublas, int64_t B, int64_t T, int64_t H, int64_t dh);
   void set_batch(int64_t B);
+  int64_t device_bytes() const {
+    return dout_.bytes() + row_dots_.bytes() + dq_acc_.bytes() + scores_.bytes() + probs_.bytes();
+  }
   // lse [B, H, T] (fp32): written by the flash forward for its backward (log2 of each row's
   // softmax denominator); unused above head size 128.
   void forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,

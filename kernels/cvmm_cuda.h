@@ -46,7 +46,7 @@ struct CvmmPlan {
   bool in_by_position = false, out_by_position = false;
   int64_t positions = 0;
   // The counters by which the scatter kernel's blocks share tail tiles and the gather kernel's
-  // take tile pairs (kernels/cvmm.cu), zero between launches: one scatter or gather on a plan at
+  // take tile pairs (kernels/cvmm_scatter.cu, cvmm_gather.cu), zero between launches: one scatter or gather on a plan at
   // a time.
   uint32_t* tail_counters = nullptr;  // [kCvmmTailCounters + 1]
 };
@@ -180,6 +180,11 @@ struct CvmmPlanBuffers {
   bool in_by_position = false, out_by_position = false;  // see CvmmPlan
   int64_t positions = 0;
   CvmmPlan view(bool swapped = false) const;
+  int64_t device_bytes() const {
+    return in_row.bytes() + out_row.bytes() + by_expert.bytes() + tile_expert.bytes() + tile_first.bytes() +
+           live_tiles.bytes() + pair_tile.bytes() + live_pairs.bytes() + chunk_first_tile.bytes() +
+           expert_begin.bytes() + tail_counters.bytes();
+  }
 };
 
 // Device copies of a grouped CvmmSelection built on the host (tests, benchmarks). The tokens,
@@ -214,6 +219,7 @@ class CvmmPlanner {
   // is on another rank). Writes the plan into `plan` (from make_buffers).
   void build(CvmmPlanBuffers& plan, const int32_t* index, int64_t n, int64_t groups, int64_t E, int64_t k,
              CvmmRoute route, cudaStream_t stream);
+  int64_t device_bytes() const { return rank_.bytes() + chunk_count_.bytes() + counts_.bytes(); }
 
  private:
   int64_t max_selections_, max_experts_, max_tokens_, tokens_per_chunk_;

@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -48,6 +49,7 @@ class DeviceBuffer {
 
   T* get() const { return ptr_; }
   size_t size() const { return n_; }
+  int64_t bytes() const { return int64_t(n_ * sizeof(T)); }
   void upload(const std::vector<T>& host) {
     if (host.size() != n_) throw std::invalid_argument("DeviceBuffer::upload: size mismatch");
     if (n_) MOEUT_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));

@@ -30,6 +30,7 @@ class EntropyReg {
   // The gradient of what the layer's last finish() added, for the use whose logits are
   // z [B, T, groups * E] (lse: what means() had written for it).
   SoftmaxGrad gradient(int64_t layer, const float* z, const float* lse) const;
+  int64_t device_bytes() const { return mean_.bytes(); }
 
  private:
   float* mean(int64_t layer) const { return mean_.get() + layer * B_ * groups_ * E_; }

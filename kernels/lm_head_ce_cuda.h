@@ -20,6 +20,8 @@ class LmHeadCE {
   void run(float* row_loss, float* dx, float* dW, float* dbias, const __nv_bfloat16* x, const __nv_bfloat16* W,
            const __nv_bfloat16* bias, const int32_t* targets, int64_t n, float grad_scale, cudaStream_t stream);
 
+  int64_t device_bytes() const { return logits_.bytes() + dlogits_.bytes(); }
+
  private:
   cublasHandle_t cublas_;
   int64_t V_, d_, chunk_;

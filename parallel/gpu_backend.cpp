@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
+#include <string>
 #include <vector>
 
 #include "core/gpu_model.h"
@@ -88,8 +90,19 @@ class GpuBackend final : public TrainingBackend {
     init.init(c.train.seed);
     model_.set_parameters(init.params);
     optimizer_ = std::make_unique<GpuShardedAdamW>(model_.layout(), groups_, init.params, stream_.get());
+    // Where the device's memory goes: the model's ledger, the optimizer state, and what the device
+    // reports in use (which adds cuBLAS's, NCCL's and CUDA's own).
+    DeviceLedger ledger = model_.ledger();
+    ledger.add(DeviceLedger::Kind::kOptimizer, optimizer_->state_bytes());
+    size_t free_bytes = 0, total_bytes = 0;
+    MOEUT_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    char in_use[64];
+    std::snprintf(in_use, sizeof in_use, " (the device reports %.2f GiB in use)",
+                  double(total_bytes - free_bytes) / double(int64_t(1) << 30));
+    memory_ = ledger.summary() + in_use;
   }
   const char* device() const override { return model_.graphs() ? "cuda (passes replayed as CUDA graphs)" : "cuda"; }
+  std::string memory_plan() const override { return memory_; }
   const ParamLayout& layout() const override { return model_.layout(); }
   void zero_gradients() override { model_.zero_gradients(); }
   LossParts forward_backward(const int32_t* tokens, int64_t B, double weight) override {
@@ -146,6 +159,7 @@ class GpuBackend final : public TrainingBackend {
   int64_t micro_;
   ProcessGroups groups_;  // device communicators, ordered on stream_
   GpuModel model_;
+  std::string memory_;  // see memory_plan()
   std::unique_ptr<GpuShardedAdamW> optimizer_;
 };
 

@@ -119,6 +119,8 @@ double Trainer::run() {
                 (long long)expert_shard(cfg_.model.ff_n_experts, groups_.ep(), groups_.ep() - 1).count,
                 (long long)shard.count, (long long)cfg_.model.ff_n_experts, (long long)backend_->layout().total(),
                 backend_->optimizer_state_bytes() / 1e6, backend_->device(), omp_get_max_threads());
+  if (const std::string memory = backend_->memory_plan(); leader() && !memory.empty())
+    std::printf("GPU memory on rank 0: %s\n", memory.c_str());
   warn_if_bound_to_one_cpu();
   std::vector<int32_t> tokens(size_t(micro * (T + 1)));
   const int64_t first_sequence = groups_.world->rank() * local_batch_;

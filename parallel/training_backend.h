@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/config.h"
@@ -17,6 +18,8 @@ class TrainingBackend {
  public:
   virtual ~TrainingBackend() = default;
   virtual const char* device() const = 0;  // what the rank trains on, as its start-up line says
+  // Where the rank's device memory goes, by kind, for the start-up lines; empty on the CPU.
+  virtual std::string memory_plan() const { return {}; }
   virtual const ParamLayout& layout() const = 0;  // this rank's part of the model
   virtual void zero_gradients() = 0;
   // Accumulates the gradient of weight · (mean CE + regularisers) of B sequences.

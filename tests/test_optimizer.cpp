@@ -13,7 +13,7 @@ namespace moeut {
 namespace {
 
 TEST(AdamW, TwoStepsMatchTheDefinition) {
-  const AdamWHyper h{0.1, 0.9, 0.999, 1e-8, 0.01};
+  const AdamWHyper h{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
   double p = 1.0, m = 0, v = 0;
   const double g1 = 0.5, g2 = -0.2;
   adamw_update(&p, &g1, &m, &v, 1, h, 1, 1.0);
@@ -27,7 +27,7 @@ TEST(AdamW, TwoStepsMatchTheDefinition) {
 }
 
 TEST(AdamW, GradScaleIsAppliedBeforeTheMoments) {
-  const AdamWHyper h{0.1, 0.9, 0.999, 1e-8, 0.0};
+  const AdamWHyper h{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0};
   double p1 = 0, m1 = 0, v1 = 0, p2 = 0, m2 = 0, v2 = 0;
   const double g = 4.0, half = 2.0;
   adamw_update(&p1, &g, &m1, &v1, 1, h, 1, 0.5);

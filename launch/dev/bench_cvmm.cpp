@@ -109,15 +109,29 @@ void ffn_products(int64_t tokens, double peak, int reps, bool phases, bool rando
   cuda::DeviceBuffer<bf16> Hout{size_t(sels * es)};
   std::printf("FFN experts: %lld tokens, %lld experts, top-%lld (%.0f rows per expert)\n", (long long)tokens,
               (long long)E, (long long)k, double(sels) / double(E));
-  const cuda::CvmmRowsArgs down_args{H.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, es, d, false, true, tokens};
-  const cuda::CvmmRowsArgs up_dx_args{dH.get(), Wk.get(), nullptr, nullptr, Yf.get(), nullptr, nullptr, es, d, true, true, tokens};
+  const cuda::CvmmRowsArgs up_args{.X = X.get(), .W = Wk.get(), .weight = nullptr, .out = Hout.get(),
+                                   .out_f32 = nullptr, .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es,
+                                   .transpose_w = false, .accumulate = false};
+  const cuda::CvmmRowsArgs down_args{.X = H.get(), .W = Wv.get(), .weight = gw.get(), .out = nullptr,
+                                     .out_f32 = Yf.get(), .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d,
+                                     .transpose_w = false, .accumulate = true, .out_rows = tokens};
+  const cuda::CvmmRowsArgs down_dx_args{.X = dY.get(), .W = Wv.get(), .weight = gw.get(), .out = Hout.get(),
+                                        .out_f32 = nullptr, .dweight = dwf.get(), .dot_rows = H.get(), .K = d, .N = es,
+                                        .transpose_w = true, .accumulate = false};
+  const cuda::CvmmWeightGradArgs down_dw_args{.A = H.get(), .B = dY.get(), .weight = gw.get(), .a_by_in_row = true,
+                                              .dW = dWv.get(), .K = es, .N = d, .n_experts = E};
+  const cuda::CvmmRowsArgs up_dx_args{.X = dH.get(), .W = Wk.get(), .weight = nullptr, .out = nullptr,
+                                      .out_f32 = Yf.get(), .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d,
+                                      .transpose_w = true, .accumulate = true, .out_rows = tokens};
+  const cuda::CvmmWeightGradArgs up_dw_args{.A = X.get(), .B = dH.get(), .weight = nullptr, .a_by_in_row = true,
+                                            .dW = dWk.get(), .K = d, .N = es, .n_experts = E};
   report({
-      {"up      [m,1536]x[1536,128]  gather", [&] { cuda::cvmm_rows(pu.view(), {X.get(), Wk.get(), nullptr, Hout.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0); }},
+      {"up      [m,1536]x[1536,128]  gather", [&] { cuda::cvmm_rows(pu.view(), up_args, 0); }},
       {"down    [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(pd.view(), down_args, 0); }},
-      {"down dX [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(pd.view(true), {dY.get(), Wv.get(), gw.get(), Hout.get(), nullptr, dwf.get(), H.get(), d, es, true, false}, 0); }},
-      {"down dW [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, 0); }},
+      {"down dX [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(pd.view(true), down_dx_args, 0); }},
+      {"down dW [128,m]x[m,1536]", [&] { cuda::cvmm_weight_grad(pd.view(), down_dw_args, 0); }},
       {"up dX   [m,128]x[128,1536]   scatter", [&] { cuda::cvmm_rows(pu.view(true), up_dx_args, 0); }},
-      {"up dW   [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, 0); }},
+      {"up dW   [1536,m]x[m,128]", [&] { cuda::cvmm_weight_grad(pu.view(), up_dw_args, 0); }},
   }, 2.0 * double(sels) * double(d) * double(es), peak, reps);
   if (phases) {
     report_phases("down", pd.view(), down_args);
@@ -127,10 +141,14 @@ void ffn_products(int64_t tokens, double peak, int reps, bool phases, bool rando
   // runs them), each use with its own operands: against twice the single-use rows above.
   auto X2 = random_device<bf16>(size_t(tokens * d), rng, 1.f), dY2 = random_device<bf16>(size_t(tokens * d), rng, 1.f);
   auto H2 = random_device<bf16>(size_t(sels * es), rng, 1.f), dH2 = random_device<bf16>(size_t(sels * es), rng, 1.f);
+  const cuda::CvmmWeightGradArgs down_dw2_args{.A = H2.get(), .B = dY2.get(), .weight = gw.get(), .a_by_in_row = true,
+                                               .dW = dWv.get(), .K = es, .N = d, .n_experts = E};
+  const cuda::CvmmWeightGradArgs up_dw2_args{.A = X2.get(), .B = dH2.get(), .weight = nullptr, .a_by_in_row = true,
+                                             .dW = dWk.get(), .K = d, .N = es, .n_experts = E};
   std::printf("FFN weight gradients over two uses of the weights:\n");
   report({
-      {"down dW, two uses", [&] { cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, pd.view(), {H2.get(), dY2.get(), gw.get(), true, dWv.get(), es, d, E}, 0); }},
-      {"up dW, two uses", [&] { cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, pu.view(), {X2.get(), dH2.get(), nullptr, true, dWk.get(), d, es, E}, 0); }},
+      {"down dW, two uses", [&] { cuda::cvmm_weight_grad(pd.view(), down_dw_args, pd.view(), down_dw2_args, 0); }},
+      {"up dW, two uses", [&] { cuda::cvmm_weight_grad(pu.view(), up_dw_args, pu.view(), up_dw2_args, 0); }},
   }, 4.0 * double(sels) * double(d) * double(es), peak, reps);
   // The FFN backward as GpuModel runs it (core/gpu_model.cu): each weight gradient (two uses) on a
   // side stream, forked just before the input gradient that shares its inputs, so the persistent
@@ -142,10 +160,10 @@ void ffn_products(int64_t tokens, double peak, int reps, bool phases, bool rando
   report({
       {"down dX, up dX beside dW two uses", [&] {
          side.fork();
-         cuda::cvmm_weight_grad(pd.view(), {H.get(), dY.get(), gw.get(), true, dWv.get(), es, d, E}, pd.view(), {H2.get(), dY2.get(), gw.get(), true, dWv.get(), es, d, E}, side.get());
-         cuda::cvmm_rows(pd.view(true), {dY.get(), Wv.get(), gw.get(), Hout.get(), nullptr, dwf.get(), H.get(), d, es, true, false}, 0);
+         cuda::cvmm_weight_grad(pd.view(), down_dw_args, pd.view(), down_dw2_args, side.get());
+         cuda::cvmm_rows(pd.view(true), down_dx_args, 0);
          side.fork();
-         cuda::cvmm_weight_grad(pu.view(), {X.get(), dH.get(), nullptr, true, dWk.get(), d, es, E}, pu.view(), {X2.get(), dH2.get(), nullptr, true, dWk.get(), d, es, E}, side.get());
+         cuda::cvmm_weight_grad(pu.view(), up_dw_args, pu.view(), up_dw2_args, side.get());
          cuda::cvmm_rows(pu.view(true), up_dx_args, 0);
          side.join(); }},
   }, 12.0 * double(sels) * double(d) * double(es), peak, reps);
@@ -185,16 +203,30 @@ void attention_products(int64_t tokens, double peak, int reps, bool phases, bool
   const cuda::DeviceBuffer<int32_t> v_index(v.expert);
   std::printf("attention experts: %lld tokens, %lld heads x %lld experts, top-%lld per head (%.0f rows per expert)\n",
               (long long)tokens, (long long)H, (long long)Ea, (long long)ka, double(sels) / double(E));
-  const cuda::CvmmRowsArgs o_args{heads.get(), Wo.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, dh, d, false, true, tokens};
-  const cuda::CvmmRowsArgs v_dx_args{dv.get(), Wv.get(), gw.get(), nullptr, Yf.get(), nullptr, nullptr, dh, d, true, true, tokens};
+  const cuda::CvmmRowsArgs v_args{.X = X.get(), .W = Wv.get(), .weight = nullptr, .out = v_rows.get(),
+                                  .out_f32 = nullptr, .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = dh,
+                                  .transpose_w = false, .accumulate = false};
+  const cuda::CvmmRowsArgs o_args{.X = heads.get(), .W = Wo.get(), .weight = gw.get(), .out = nullptr,
+                                  .out_f32 = Yf.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
+                                  .transpose_w = false, .accumulate = true, .out_rows = tokens};
+  const cuda::CvmmWeightGradArgs o_dw_args{.A = heads.get(), .B = dY.get(), .weight = gw.get(), .a_by_in_row = true,
+                                           .dW = dWo.get(), .K = dh, .N = d, .n_experts = E, .staging = staging.get()};
+  const cuda::CvmmRowsArgs o_dx_args{.X = dY.get(), .W = Wo.get(), .weight = gw.get(), .out = nullptr,
+                                     .out_f32 = heads_f.get(), .dweight = dwf.get(), .dot_rows = heads.get(), .K = d,
+                                     .N = dh, .transpose_w = true, .accumulate = true, .out_rows = tokens * H};
+  const cuda::CvmmWeightGradArgs v_dw_args{.A = X.get(), .B = dv.get(), .weight = gw.get(), .a_by_in_row = true,
+                                           .dW = dWv.get(), .K = d, .N = dh, .n_experts = E, .staging = staging.get()};
+  const cuda::CvmmRowsArgs v_dx_args{.X = dv.get(), .W = Wv.get(), .weight = gw.get(), .out = nullptr,
+                                     .out_f32 = Yf.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
+                                     .transpose_w = true, .accumulate = true, .out_rows = tokens};
   report({
       {"v       [m,1536]x[1536,128]  gather+sums", [&] {
-         cuda::cvmm_rows(cuda::at_selections(pv.view()), {X.get(), Wv.get(), nullptr, v_rows.get(), nullptr, nullptr, nullptr, d, dh, false, false}, 0);
+         cuda::cvmm_rows(cuda::at_selections(pv.view()), v_args, 0);
          cuda::cvmm_sum_selections(values.get(), v_rows.get(), gw.get(), v_index.get(), tokens * H, ka, dh, 0); }},
       {"o       [m,128]x[128,1536]   w+scatter", [&] { cuda::cvmm_rows(po.view(), o_args, 0); }},
-      {"o dW    [128,m]x[m,1536]     staged", [&] { cuda::cvmm_weight_grad(po.view(), {heads.get(), dY.get(), gw.get(), true, dWo.get(), dh, d, E, false, staging.get()}, 0); }},
-      {"o dX    [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(po.view(true), {dY.get(), Wo.get(), gw.get(), nullptr, heads_f.get(), dwf.get(), heads.get(), d, dh, true, true, tokens * H}, 0); }},
-      {"v dW    [1536,m]x[m,128]     staged", [&] { cuda::cvmm_weight_grad(pv.view(), {X.get(), dv.get(), gw.get(), true, dWv.get(), d, dh, E, false, staging.get()}, 0); }},
+      {"o dW    [128,m]x[m,1536]     staged", [&] { cuda::cvmm_weight_grad(po.view(), o_dw_args, 0); }},
+      {"o dX    [m,1536]x[1536,128]  +dw", [&] { cuda::cvmm_rows(po.view(true), o_dx_args, 0); }},
+      {"v dW    [1536,m]x[m,128]     staged", [&] { cuda::cvmm_weight_grad(pv.view(), v_dw_args, 0); }},
       {"v dX    [m,128]x[128,1536]   scatter+dots", [&] {
          cuda::cvmm_rows(pv.view(true), v_dx_args, 0);
          cuda::cvmm_selection_dots(dwf.get(), v_rows.get(), dv.get(), v_index.get(), sels, ka, dh, 0); }},

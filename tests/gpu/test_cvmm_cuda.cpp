@@ -113,7 +113,11 @@ void check(const Shape& s) {
     std::vector<float> ref(sels * es, 0.f);
     cvmm_forward(ref.data(), X.data(), Wk.data(), static_cast<const float*>(nullptr), up, d, es, ws);
     DeviceBuffer<bf16> out(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
-    cuda::cvmm_rows(plan_up.view(), {gX.get(), keys, nullptr, out.get(), nullptr, nullptr, nullptr, d, es, false, false}, 0);
+    cuda::cvmm_rows(plan_up.view(),
+                    {.X = gX.get(), .W = keys, .weight = nullptr, .out = out.get(), .out_f32 = nullptr,
+                     .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es, .transpose_w = false,
+                     .accumulate = false},
+                    0);
     EXPECT_LE(rel_error(to_float(out.download()), ref), 1e-2) << "up forward";
   }
   {  // down: Y[t] += Σ w · H[s] · values_e (scatter-added onto a non-zero output)
@@ -121,8 +125,11 @@ void check(const Shape& s) {
     std::vector<float> ref = init;
     cvmm_forward(ref.data(), H.data(), Wv.data(), w.data(), down, es, d, ws);
     DeviceBuffer<float> out(init);
-    cuda::cvmm_rows(plan_down.view(), {gH.get(), values, gw.get(), nullptr, out.get(), nullptr, nullptr, es, d, false, true,
-                                       n}, 0);
+    cuda::cvmm_rows(plan_down.view(),
+                    {.X = gH.get(), .W = values, .weight = gw.get(), .out = nullptr, .out_f32 = out.get(),
+                     .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d, .transpose_w = false, .accumulate = true,
+                     .out_rows = n},
+                    0);
     EXPECT_LE(rel_error(out.download(), ref), 1e-3) << "down forward";
   }
   {  // down backward: dH = w · dY[t] · values_eᵀ, dw = (dY[t] · values_eᵀ) · H[s], dValues
@@ -132,8 +139,15 @@ void check(const Shape& s) {
     cvmm_backward(dH_ref.data(), dWv_ref.data(), dw_ref.data(), dY.data(), H.data(), Wv.data(), w.data(), down, es, d, ws);
     DeviceBuffer<bf16> gdHout(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
     DeviceBuffer<float> gdw(std::vector<float>(sels, 0.f)), gdWv(dWv_init);
-    cuda::cvmm_rows(plan_down.view(true), {gdY.get(), values, gw.get(), gdHout.get(), nullptr, gdw.get(), gH.get(), d, es, true, false}, 0);
-    cuda::cvmm_weight_grad(plan_down.view(), {gH.get(), gdY.get(), gw.get(), true, gdWv.get(), es, d, E}, 0);
+    cuda::cvmm_rows(plan_down.view(true),
+                    {.X = gdY.get(), .W = values, .weight = gw.get(), .out = gdHout.get(), .out_f32 = nullptr,
+                     .dweight = gdw.get(), .dot_rows = gH.get(), .K = d, .N = es, .transpose_w = true,
+                     .accumulate = false},
+                    0);
+    cuda::cvmm_weight_grad(plan_down.view(),
+                           {.A = gH.get(), .B = gdY.get(), .weight = gw.get(), .a_by_in_row = true, .dW = gdWv.get(),
+                            .K = es, .N = d, .n_experts = E},
+                           0);
     EXPECT_LE(rel_error(to_float(gdHout.download()), dH_ref), 1e-2) << "down: input gradient";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "down: routing-weight gradient";
     EXPECT_LE(rel_error(gdWv.download(), dWv_ref), 1e-2) << "down: expert-weight gradient";
@@ -142,8 +156,10 @@ void check(const Shape& s) {
     // memory, so the same bits.
     DeviceBuffer<bf16> staging(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
     DeviceBuffer<float> gdWv_staged(dWv_init);
-    cuda::cvmm_weight_grad(plan_down.view(), {gH.get(), gdY.get(), gw.get(), true, gdWv_staged.get(), es, d, E, false,
-                                              staging.get()}, 0);
+    cuda::cvmm_weight_grad(plan_down.view(),
+                           {.A = gH.get(), .B = gdY.get(), .weight = gw.get(), .a_by_in_row = true,
+                            .dW = gdWv_staged.get(), .K = es, .N = d, .n_experts = E, .staging = staging.get()},
+                           0);
     EXPECT_EQ(gdWv_staged.download(), gdWv.download()) << "down: expert-weight gradient, its rows staged";
   }
   {  // The FFN's ReLU: up stores max(0, ·); the down input gradient is masked where those hidden
@@ -154,8 +170,11 @@ void check(const Shape& s) {
     cvmm_forward(relu_ref.data(), X.data(), Wk.data(), static_cast<const float*>(nullptr), up, d, es, ws);
     for (float& v : relu_ref) v = std::max(v, 0.f);
     DeviceBuffer<bf16> gHr(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
-    cuda::cvmm_rows(plan_up.view(), {gX.get(), keys, nullptr, gHr.get(), nullptr, nullptr, nullptr, d, es, false, false, 0,
-                                     Relu::kApply}, 0);
+    cuda::cvmm_rows(plan_up.view(),
+                    {.X = gX.get(), .W = keys, .weight = nullptr, .out = gHr.get(), .out_f32 = nullptr,
+                     .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es, .transpose_w = false,
+                     .accumulate = false, .relu = Relu::kApply},
+                    0);
     const std::vector<float> Hr = to_float(gHr.download());
     EXPECT_LE(rel_error(Hr, relu_ref), 1e-2) << "up forward, ReLU applied";
     std::vector<float> dH_ref(sels * es, 0.f), dWv_ref(E * es * d, 0.f), dw_ref(sels);
@@ -164,8 +183,11 @@ void check(const Shape& s) {
       if (!(Hr[i] > 0.f)) dH_ref[i] = 0.f;
     DeviceBuffer<bf16> gdHout(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
     DeviceBuffer<float> gdw(std::vector<float>(sels, 0.f));
-    cuda::cvmm_rows(plan_down.view(true), {gdY.get(), values, gw.get(), gdHout.get(), nullptr, gdw.get(), gHr.get(), d, es,
-                                           true, false, 0, Relu::kMaskByDotRows}, 0);
+    cuda::cvmm_rows(plan_down.view(true),
+                    {.X = gdY.get(), .W = values, .weight = gw.get(), .out = gdHout.get(), .out_f32 = nullptr,
+                     .dweight = gdw.get(), .dot_rows = gHr.get(), .K = d, .N = es, .transpose_w = true,
+                     .accumulate = false, .relu = Relu::kMaskByDotRows},
+                    0);
     EXPECT_LE(rel_error(to_float(gdHout.download()), dH_ref), 1e-2) << "down: input gradient masked by the ReLU";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "down: routing-weight gradient on the ReLU's output";
   }
@@ -177,14 +199,20 @@ void check(const Shape& s) {
     std::vector<float> y_ref = y_init;
     cvmm_forward(y_ref.data(), X.data(), Wk.data(), w.data(), up, d, es, ws);
     DeviceBuffer<float> gy(y_init);
-    cuda::cvmm_rows(plan_up.view(), {gX.get(), keys, gw.get(), nullptr, gy.get(), nullptr, nullptr, d, es, false, true, sels},
+    cuda::cvmm_rows(plan_up.view(),
+                    {.X = gX.get(), .W = keys, .weight = gw.get(), .out = nullptr, .out_f32 = gy.get(),
+                     .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es, .transpose_w = false, .accumulate = true,
+                     .out_rows = sels},
                     0);
     EXPECT_LE(rel_error(gy.download(), y_ref), 1e-3) << "up, weighted, added into fp32 rows";
     std::vector<float> dH_ref = y_init, dWv_ref(E * es * d, 0.f), dw_ref(sels);
     cvmm_backward(dH_ref.data(), dWv_ref.data(), dw_ref.data(), dY.data(), H.data(), Wv.data(), w.data(), down, es, d, ws);
     DeviceBuffer<float> gdH(y_init), gdw(std::vector<float>(sels, 0.f));
-    cuda::cvmm_rows(plan_down.view(true), {gdY.get(), values, gw.get(), nullptr, gdH.get(), gdw.get(), gH.get(), d, es, true,
-                                           true, sels}, 0);
+    cuda::cvmm_rows(plan_down.view(true),
+                    {.X = gdY.get(), .W = values, .weight = gw.get(), .out = nullptr, .out_f32 = gdH.get(),
+                     .dweight = gdw.get(), .dot_rows = gH.get(), .K = d, .N = es, .transpose_w = true,
+                     .accumulate = true, .out_rows = sels},
+                    0);
     EXPECT_LE(rel_error(gdH.download(), dH_ref), 1e-3) << "down: input gradient added into fp32 rows";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "down: routing-weight gradient, rows added into";
   }
@@ -196,8 +224,11 @@ void check(const Shape& s) {
     for (int64_t i = 0; i < sels; ++i) own.out_row[size_t(i)] = int32_t(i);
     cvmm_forward(rows_ref.data(), X.data(), Wk.data(), static_cast<const float*>(nullptr), own, d, es, ws);
     DeviceBuffer<bf16> rows(std::vector<bf16>(sels * es, __float2bfloat16(NAN)));
-    cuda::cvmm_rows(cuda::at_selections(plan_up.view()), {gX.get(), keys, nullptr, rows.get(), nullptr, nullptr, nullptr, d,
-                                                         es, false, false}, 0);
+    cuda::cvmm_rows(cuda::at_selections(plan_up.view()),
+                    {.X = gX.get(), .W = keys, .weight = nullptr, .out = rows.get(), .out_f32 = nullptr,
+                     .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es, .transpose_w = false,
+                     .accumulate = false},
+                    0);
     const std::vector<float> got_rows = to_float(rows.download());
     EXPECT_LE(rel_error(got_rows, rows_ref), 1e-2) << "rows at their selections";
     std::vector<float> sum_ref(n * es, 0.f), dw_ref(sels);
@@ -221,9 +252,15 @@ void check(const Shape& s) {
     cvmm_backward(dX_ref.data(), dWk_ref.data(), static_cast<float*>(nullptr), dH.data(), X.data(), Wk.data(),
                   static_cast<const float*>(nullptr), up, d, es, ws);
     DeviceBuffer<float> gdX(dX_init), gdWk(dWk_init);
-    cuda::cvmm_rows(plan_up.view(true), {gdH.get(), keys, nullptr, nullptr, gdX.get(), nullptr, nullptr, es, d, true, true,
-                                         n}, 0);
-    cuda::cvmm_weight_grad(plan_up.view(), {gX.get(), gdH.get(), nullptr, true, gdWk.get(), d, es, E}, 0);
+    cuda::cvmm_rows(plan_up.view(true),
+                    {.X = gdH.get(), .W = keys, .weight = nullptr, .out = nullptr, .out_f32 = gdX.get(),
+                     .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d, .transpose_w = true, .accumulate = true,
+                     .out_rows = n},
+                    0);
+    cuda::cvmm_weight_grad(plan_up.view(),
+                           {.A = gX.get(), .B = gdH.get(), .weight = nullptr, .a_by_in_row = true, .dW = gdWk.get(),
+                            .K = d, .N = es, .n_experts = E},
+                           0);
     EXPECT_LE(rel_error(gdX.download(), dX_ref), 1e-3) << "up: input gradient";
     EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient";
   }
@@ -258,10 +295,20 @@ void check(const Shape& s) {
         for (size_t i = 0; i < dWk_ref.size(); ++i) dWk_ref[i] += dWk_init[i];
       }
       DeviceBuffer<float> gdWv(dWv_init), gdWk(dWk_init);
-      cuda::cvmm_weight_grad(plan_down.view(), {gH.get(), gdY.get(), gw.get(), true, gdWv.get(), es, d, E, overwrite},
-                             other_down.view(), {gH2.get(), gdY2.get(), gw2.get(), true, gdWv.get(), es, d, E, overwrite}, 0);
-      cuda::cvmm_weight_grad(plan_up.view(), {gX.get(), gdH.get(), nullptr, true, gdWk.get(), d, es, E, overwrite},
-                             other_up.view(), {gX2.get(), gdH2.get(), nullptr, true, gdWk.get(), d, es, E, overwrite}, 0);
+      cuda::cvmm_weight_grad(plan_down.view(),
+                             {.A = gH.get(), .B = gdY.get(), .weight = gw.get(), .a_by_in_row = true, .dW = gdWv.get(),
+                              .K = es, .N = d, .n_experts = E, .overwrite = overwrite},
+                             other_down.view(),
+                             {.A = gH2.get(), .B = gdY2.get(), .weight = gw2.get(), .a_by_in_row = true,
+                              .dW = gdWv.get(), .K = es, .N = d, .n_experts = E, .overwrite = overwrite},
+                             0);
+      cuda::cvmm_weight_grad(plan_up.view(),
+                             {.A = gX.get(), .B = gdH.get(), .weight = nullptr, .a_by_in_row = true, .dW = gdWk.get(),
+                              .K = d, .N = es, .n_experts = E, .overwrite = overwrite},
+                             other_up.view(),
+                             {.A = gX2.get(), .B = gdH2.get(), .weight = nullptr, .a_by_in_row = true,
+                              .dW = gdWk.get(), .K = d, .N = es, .n_experts = E, .overwrite = overwrite},
+                             0);
       EXPECT_LE(rel_error(gdWv.download(), dWv_ref), 1e-2) << "down: expert-weight gradient over two uses";
       EXPECT_LE(rel_error(gdWk.download(), dWk_ref), 1e-3) << "up: expert-weight gradient over two uses";
     }
@@ -275,8 +322,11 @@ void check(const Shape& s) {
     std::vector<float> dX_ref = dX_init, dWk_ref(E * d * es, 0.f), dw_ref(sels);
     cvmm_backward(dX_ref.data(), dWk_ref.data(), dw_ref.data(), dH.data(), X.data(), Wk.data(), w.data(), up, d, es, ws);
     DeviceBuffer<float> gdX(dX_init), gdw(std::vector<float>(sels, 0.f));
-    cuda::cvmm_rows(plan_up.view(true), {gdH.get(), keys, gw.get(), nullptr, gdX.get(), gdw.get(), gX.get(), es, d, true, true,
-                                         out_rows}, 0);
+    cuda::cvmm_rows(plan_up.view(true),
+                    {.X = gdH.get(), .W = keys, .weight = gw.get(), .out = nullptr, .out_f32 = gdX.get(),
+                     .dweight = gdw.get(), .dot_rows = gX.get(), .K = es, .N = d, .transpose_w = true,
+                     .accumulate = true, .out_rows = out_rows},
+                    0);
     EXPECT_LE(rel_error(gdX.download(), dX_ref), 1e-3) << "up, weighted: input gradient";
     EXPECT_LE(rel_error(gdw.download(), dw_ref), 1e-3) << "up, weighted: routing-weight gradient";
   }
@@ -317,8 +367,9 @@ TEST_F(GpuTest, ScatterPhaseClockCountsEveryItem) {
   for (const int64_t rows : rows_of) tiles += (rows + cuda::kCvmmTileRows - 1) / cuda::kCvmmTileRows;
 
   DeviceBuffer<float> plain_dx(std::vector<float>(size_t(n * d), 0.f)), clocked_dx(std::vector<float>(size_t(n * d), 0.f));
-  cuda::CvmmRowsArgs a{gdH.get(), gWk.get(), nullptr, nullptr, plain_dx.get(), nullptr, nullptr, es, d, true, true,
-                       int64_t(1) << 30};
+  cuda::CvmmRowsArgs a{.X = gdH.get(), .W = gWk.get(), .weight = nullptr, .out = nullptr, .out_f32 = plain_dx.get(),
+                       .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d, .transpose_w = true,
+                       .accumulate = true, .out_rows = int64_t(1) << 30};
   ASSERT_TRUE(cuda::cvmm_on_scatter_kernel(a));
   cuda::cvmm_rows(plan.view(true), a, 0);
   constexpr int P = cuda::kScatterPhases;
@@ -411,7 +462,9 @@ TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
   EXPECT_EQ(plan.by_expert.download(), by_expert_ref);
   const DeviceBuffer<bf16> gX(to_bf16(X)), gW(to_bf16(W));
   DeviceBuffer<bf16> hidden(std::vector<bf16>(size_t(sels * es), __float2bfloat16(NAN)));
-  cuda::cvmm_rows(plan.view(), {gX.get(), gW.get(), nullptr, hidden.get(), nullptr, nullptr, nullptr, d, es, false, false},
+  cuda::cvmm_rows(plan.view(),
+                  {.X = gX.get(), .W = gW.get(), .weight = nullptr, .out = hidden.get(), .out_f32 = nullptr,
+                   .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es, .transpose_w = false, .accumulate = false},
                   0);
   const std::vector<float> got = to_float(hidden.download());
   const std::vector<float> got_live(got.begin(), got.begin() + live * es);
@@ -428,14 +481,19 @@ TEST_F(GpuTest, DevicePlanLeavesOutSelectionsOfOtherRanks) {
                 static_cast<const float*>(nullptr), back, es, d, ws);
   const DeviceBuffer<bf16> gdY(to_bf16(dY));
   DeviceBuffer<float> gdW(std::vector<float>(size_t(E * es * d), 0.f));
-  cuda::cvmm_weight_grad(plan.view(true), {hidden.get(), gdY.get(), nullptr, true, gdW.get(), es, d, E}, 0);
+  cuda::cvmm_weight_grad(plan.view(true),
+                         {.A = hidden.get(), .B = gdY.get(), .weight = nullptr, .a_by_in_row = true, .dW = gdW.get(),
+                          .K = es, .N = d, .n_experts = E},
+                         0);
   EXPECT_LE(rel_error(gdW.download(), dW_ref), 1e-2) << "weight gradient over hidden rows by position";
 
   // Rows kept at their selections: other ranks' selections are never written (NaN here); the sums
   // leave them out and their dots are 0.
   DeviceBuffer<bf16> rows(std::vector<bf16>(size_t(sels * es), __float2bfloat16(NAN)));
-  cuda::cvmm_rows(cuda::at_selections(plan.view()), {gX.get(), gW.get(), nullptr, rows.get(), nullptr, nullptr, nullptr, d,
-                                                     es, false, false}, 0);
+  cuda::cvmm_rows(cuda::at_selections(plan.view()),
+                  {.X = gX.get(), .W = gW.get(), .weight = nullptr, .out = rows.get(), .out_f32 = nullptr,
+                   .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es, .transpose_w = false, .accumulate = false},
+                  0);
   std::vector<float> w(static_cast<size_t>(sels)), sum_ref(size_t(n * es), 0.f), dw_ref(size_t(sels), 0.f);
   for (float& v : w) v = float(rng.uniform());
   const auto D = random_bf16_values(n * es, rng, 1.0);

@@ -190,7 +190,7 @@ TEST_F(GpuTest, AdamWAndGradientNormMatchTheCpuReference) {
   Rng rng(9);
   const auto p0 = random_bf16_values(n, rng, 1.0), g = random_bf16_values(n, rng, 0.1);
   std::vector<float> p = p0, m(n, 0.f), v(n, 0.f);
-  const AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 0.01};
+  const AdamWHyper h{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
   for (int64_t t = 1; t <= 3; ++t) adamw_update(p.data(), g.data(), m.data(), v.data(), n, h, t, 0.5);
   DeviceBuffer<float> gp(p0), gg(g), gm(std::vector<float>(n, 0.f)), gv(std::vector<float>(n, 0.f));
   DeviceBuffer<bf16> gwork(std::vector<bf16>(n, __float2bfloat16(NAN)));
