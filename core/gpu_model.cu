@@ -27,13 +27,6 @@ using bf16 = __nv_bfloat16;
 using cuda::DeviceBuffer;
 using cuda::check_cublas;
 
-// The GPU's clock (ns) into *at, for the profile's marks.
-__global__ void read_clock(uint64_t* at) {
-  uint64_t ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-  *at = ns;
-}
-
 }  // namespace
 
 struct GpuModel::Layer {
@@ -129,7 +122,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   row_loss_host_ = cuda::PinnedBuffer<float>(size_t(N));
   reg_loss_host_ = cuda::PinnedBuffer<double>(2);
   rstd_f_host_ = cuda::PinnedBuffer<float>(size_t(N));
-  mark_clocks_ = ledger_.allocate<uint64_t>(Kind::kWorkspace, size_t(64 * cfg_.n_layers + 64));  // a layer's passes make about 30 marks
+  profiler_ = StepProfiler(ledger_, size_t(64 * cfg_.n_layers + 64), stream_);  // a layer's passes make about 30 marks
   if (const char* off = std::getenv("MOEUT_NO_GRAPHS"); off && std::string(off) == "1") graphs_on_ = false;
   reg_loss_ = ledger_.allocate<double>(Kind::kWorkspace, 2);
   for (auto* b : {&dres_, &dxf_}) *b = ledger_.allocate<float>(Kind::kWorkspace, size_t(N * d));
@@ -187,33 +180,6 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   ledger_.add(Kind::kWorkspace, planner_->device_bytes() + attention_->device_bytes() + reg_ffn_->device_bytes() +
                                     reg_att_v_->device_bytes() + reg_att_o_->device_bytes() + head_->device_bytes());
   if (dispatcher_) ledger_.add(Kind::kExchange, dispatcher_->device_bytes(layers_.size()));
-}
-
-const char* GpuModel::part_name(Part p) {
-  static const char* names[] = {"attention", "experts", "routing", "dense", "other"};
-  return names[size_t(p)];
-}
-
-void GpuModel::mark(Part p) {
-  if (!profiling_) return;
-  if (!mark_parts_.empty() && mark_parts_.back() == p) return;
-  if (mark_parts_.size() == mark_clocks_.size())
-    throw std::logic_error("GpuModel: more changes of part in one pass than the profile has slots");
-  read_clock<<<1, 1, 0, stream_>>>(mark_clocks_.get() + mark_parts_.size());
-  MOEUT_CUDA_CHECK(cudaGetLastError());
-  mark_parts_.push_back(p);
-}
-
-std::array<double, size_t(GpuModel::Part::kCount)> GpuModel::take_profile() {
-  std::array<double, size_t(Part::kCount)> seconds{};
-  std::vector<uint64_t> ns(mark_parts_.size());
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (!ns.empty())
-    MOEUT_CUDA_CHECK(cudaMemcpy(ns.data(), mark_clocks_.get(), ns.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
-  for (size_t i = 0; i + 1 < ns.size(); ++i)
-    if (mark_parts_[i] != Part::kCount) seconds[size_t(mark_parts_[i])] += double(ns[i + 1] - ns[i]) * 1e-9;
-  mark_parts_.clear();
-  return seconds;
 }
 
 GpuModel::~GpuModel() {
@@ -409,7 +375,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       inputs_host_.get()[b * T + t] = tokens[b * (T + 1) + t];
       targets_host_.get()[b * T + t] = tokens[b * (T + 1) + t + 1];
     }
-  mark_parts_.clear();  // the profile is the last pass's
+  profiler_.clear();  // the profile is the last pass's
   if (graphs() && pass != Pass::kEvaluate) {
     enqueue_graphed(B, weight, pass);
   } else {
@@ -429,7 +395,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
 
 void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
   auto graph = std::find_if(graphs_.begin(), graphs_.end(), [&](const PassGraph& g) {
-    return g.pass == pass && g.B == B && g.weight == weight && g.profiled == profiling_ &&
+    return g.pass == pass && g.B == B && g.weight == weight && g.profiled == profiler_.on() &&
            g.written_before == expert_grads_written_;
   });
   if (graph == graphs_.end()) {
@@ -440,7 +406,7 @@ void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
       if (graphs_.front().exec) MOEUT_CUDA_CHECK(cudaGraphExecDestroy(graphs_.front().exec));
       graphs_.erase(graphs_.begin());
     }
-    graphs_.push_back({.pass = pass, .B = B, .weight = weight, .profiled = profiling_,
+    graphs_.push_back({.pass = pass, .B = B, .weight = weight, .profiled = profiler_.on(),
                        .written_before = expert_grads_written_, .written_after = {}, .mark_parts = {}});
     enqueue(B, weight, pass);
     return;
@@ -460,11 +426,11 @@ void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
     cudaGraphDestroy(captured);
     MOEUT_CUDA_CHECK(made);
     graph->written_after = expert_grads_written_;
-    graph->mark_parts = mark_parts_;
+    graph->mark_parts = profiler_.parts();
   }
   MOEUT_CUDA_CHECK(cudaGraphLaunch(graph->exec, stream_));
   expert_grads_written_ = graph->written_after;
-  mark_parts_ = graph->mark_parts;
+  profiler_.set_parts(graph->mark_parts);
 }
 
 void GpuModel::enqueue(int64_t B, double weight, Pass pass) {

@@ -20,6 +20,7 @@
 #include "core/model.h"
 #include "core/params.h"
 #include "core/side_stream.h"
+#include "core/step_profiler.h"
 #include "kernels/attention_cuda.h"
 #include "kernels/cvmm_cuda.h"
 #include "kernels/device_buffer.h"
@@ -73,14 +74,12 @@ class GpuModel {
   }
   int64_t dispatch_bytes() const { return dispatcher_ ? dispatcher_->bytes_sent() : 0; }  // sent to other ranks
 
-  // Where a pass spends device time, by part (moeut-bench): the main stream's clock read by a
-  // one-thread kernel at each change of part (a kernel, unlike an event, is replayed within a
-  // CUDA graph), read back only when asked for. Off by default.
-  enum class Part { kAttention, kExperts, kRouting, kDense, kOther, kCount };
-  static const char* part_name(Part p);
-  void set_profiling(bool on) { profiling_ = on; }
+  // Where a pass spends device time, by part (moeut-bench; see StepProfiler). Off by default.
+  using Part = StepProfiler::Part;
+  static const char* part_name(Part p) { return StepProfiler::part_name(p); }
+  void set_profiling(bool on) { profiler_.set_on(on); }
   // Device seconds per part of the last pass (waits for the work).
-  std::array<double, size_t(Part::kCount)> take_profile();
+  std::array<double, size_t(Part::kCount)> take_profile() { return profiler_.take(); }
 
   // tokens (host): [batch, context + 1]. Mean losses of the batch.
   LossParts forward(const int32_t* tokens) { return run(tokens, batch_, 1.0, Pass::kLoss); }
@@ -168,7 +167,7 @@ class GpuModel {
   cuda::SoftmaxMeans reg_means(const cuda::EntropyReg& reg, int64_t l, float* lse) const {
     return regularised_ ? reg.means(l % cfg_.group_size, lse) : cuda::SoftmaxMeans{};
   }
-  void mark(Part p);  // the work queued on the main stream from here on belongs to p (kCount: none)
+  void mark(Part p) { profiler_.mark(p); }  // the work queued on the main stream from here on belongs to p
   // Where a physical layer's FFN router weight gradient accumulates: its rows in
   // router_grads_padded_ when that exists, else the parameter's gradient.
   float* ffn_router_grad(int64_t group) const;
@@ -240,7 +239,6 @@ class GpuModel {
   // Work beside the main stream: the attention's top-ks and plans in the forward pass (beside q,
   // k and RoPE), the expert weight gradients in the backward (beside the input gradients).
   std::unique_ptr<SideStream> side_;
-  bool profiling_ = false;
   // Captured passes (see set_graphs), keyed by what the captured work depends on: the pass, its
   // batch, its weight, whether it is profiled, and which physical layers' expert gradients are
   // written (which decides whether their first weight gradient writes or adds). A replay leaves
@@ -260,9 +258,7 @@ class GpuModel {
   cuda::PinnedBuffer<int32_t> inputs_host_, targets_host_;
   cuda::PinnedBuffer<float> row_loss_host_, rstd_f_host_;  // rstd_f_host_: the output LayerNorm's, for residual_std
   cuda::PinnedBuffer<double> reg_loss_host_;
-  // The clock at each mark of the pass (ns), and the part that each mark starts.
-  cuda::DeviceBuffer<uint64_t> mark_clocks_;
-  std::vector<Part> mark_parts_;
+  StepProfiler profiler_;  // on the main stream
 };
 
 
