@@ -6,6 +6,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernels/cast_cuda.h"
 #include "kernels/cuda_check.h"
@@ -78,6 +79,8 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   grads_ = ledger_.allocate<float>(Kind::kGradients, size_t(total));
   zero_gradients();
   working_ = ledger_.allocate<bf16>(Kind::kWeights, size_t(total));
+  params_ = tensors_in(working_.get(), layout_, cfg_.group_size);
+  param_grads_ = tensors_in(grads_.get(), layout_, cfg_.group_size);
   inputs_ = ledger_.allocate<int32_t>(Kind::kWorkspace, size_t(N));
   targets_ = ledger_.allocate<int32_t>(Kind::kWorkspace, size_t(N));
   residual_ = ledger_.allocate<float>(Kind::kActivations, size_t(N * d));
@@ -148,23 +151,23 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   attn_in_weights_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(cfg_.group_size * attn_in_ld_ * d));
   MOEUT_CUDA_CHECK(cudaMemset(attn_in_grad_.get(), 0, attn_in_grad_.size() * sizeof(bf16)));
   MOEUT_CUDA_CHECK(cudaMemset(attn_in_weights_.get(), 0, attn_in_weights_.size() * sizeof(bf16)));
-  std::vector<std::pair<std::string, int64_t>> padded;  // router products needing a padded copy: first weight, rows
-  for (int64_t g = 0; g < cfg_.group_size; ++g) {
-    const std::string p = layer_prefix(g);
-    for (const auto& [name, out] : {std::pair{p + "ffn.expert_sel", cfg_.ff_n_experts}, {p + "attention.sel_v", 2 * he}})
-      if (router_ld(out) != out) padded.emplace_back(name, out);
+  // Router products on rows not a multiple of 8 read a padded copy of their weight (see router_ld).
+  const int64_t padded = (router_ld(cfg_.ff_n_experts) != cfg_.ff_n_experts) + (router_ld(2 * he) != 2 * he);
+  padded_routers_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(cfg_.group_size * padded * router_rows * d));
+  MOEUT_CUDA_CHECK(cudaMemset(padded_routers_.get(), 0, padded_routers_.size() * sizeof(bf16)));
+  bf16* copy = padded_routers_.get();
+  auto router = [&](const bf16* param, int64_t rows) {
+    RouterWeight r{.param = param, .rows = rows};
+    if (router_ld(rows) != rows) r.padded = std::exchange(copy, copy + router_rows * d);
+    return r;
+  };
+  for (const LayerTensors<bf16>& P : params_.layers) {
+    routers_.push_back({.ffn = router(P.expert_sel, cfg_.ff_n_experts), .attention = router(P.sel_v, 2 * he)});
     // q, k and the two routers are stacked by one copy (see copy_weights), and their weight
     // gradient is one product.
-    const int64_t q = layout_.at(p + "attention.q.weight").offset;
-    if (layout_.at(p + "attention.k.weight").offset != q + hd * d ||
-        layout_.at(p + "attention.sel_v").offset != q + 2 * hd * d ||
-        layout_.at(p + "attention.sel_o").offset != q + (2 * hd + he) * d)
+    if (P.k != P.q + hd * d || P.sel_v != P.q + 2 * hd * d || P.sel_o != P.q + (2 * hd + he) * d)
       throw std::logic_error("GpuModel: attention q, k and router weights are expected adjacent in the layout");
   }
-  padded_routers_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(padded.size() * router_rows * d));
-  MOEUT_CUDA_CHECK(cudaMemset(padded_routers_.get(), 0, padded_routers_.size() * sizeof(bf16)));
-  for (size_t i = 0; i < padded.size(); ++i)
-    padded_router_at_[padded[i].first] = {padded_routers_.get() + i * router_rows * d, padded[i].second};
   if (const int64_t ld = router_ld(cfg_.ff_n_experts); ld != cfg_.ff_n_experts) {
     router_grads_padded_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(cfg_.group_size * ld * d));
     MOEUT_CUDA_CHECK(cudaMemset(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float)));
@@ -183,14 +186,10 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
 }
 
 GpuModel::~GpuModel() {
-  for (PassGraph& g : graphs_)
-    if (g.exec) cudaGraphExecDestroy(g.exec);
+  graphs_.clear();  // before the stream they ran on
   if (cublas_) cublasDestroy(cublas_);
   if (own_stream_) cudaStreamDestroy(stream_);
 }
-
-bf16* GpuModel::wparam(const std::string& name) const { return working_.get() + layout_.at(name).offset; }
-float* GpuModel::gparam(const std::string& name) const { return grads_.get() + layout_.at(name).offset; }
 
 void GpuModel::set_parameters(const std::vector<float>& params) {
   if (int64_t(params.size()) != layout_.total())
@@ -213,47 +212,41 @@ void GpuModel::zero_gradients() {
 }
 
 void GpuModel::zero_unwritten_expert_grads() {
+  const int64_t numel = layout_.shard().count * cfg_.d_model * cfg_.ff_expert_size;  // of keys, and of values
   for (int64_t g = 0; g < int64_t(expert_grads_written_.size()); ++g) {
     if (expert_grads_written_[size_t(g)]) continue;
-    for (const char* name : {"ffn.keys", "ffn.values"}) {
-      const TensorSpec& t = layout_.at(layer_prefix(g) + name);
-      MOEUT_CUDA_CHECK(cudaMemsetAsync(grads_.get() + t.offset, 0, size_t(t.numel) * sizeof(float), stream_));
-    }
+    for (float* t : {param_grads_.layers[g].keys, param_grads_.layers[g].values})
+      MOEUT_CUDA_CHECK(cudaMemsetAsync(t, 0, size_t(numel) * sizeof(float), stream_));
     expert_grads_written_[size_t(g)] = 1;
   }
 }
 
 // y [rows, out] (row-major) = alpha · x [rows, d] · Wᵀ, W [out, d]: column-major y [out, rows].
-void GpuModel::dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out, float alpha, void* y,
-                     cudaDataType y_type, int64_t y_ld, const bf16* w) {
+void GpuModel::dense(const bf16* x, const bf16* W, int64_t rows, int64_t out, float alpha, void* y,
+                     cudaDataType y_type, int64_t y_ld, const char* what) {
   const float zero = 0.f;
   const int64_t d = cfg_.d_model;
-  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(rows), int(d), &alpha, w ? w : wparam(weight),
-                            CUDA_R_16BF, int(d), x, CUDA_R_16BF, int(d), &zero, y, y_type, int(y_ld ? y_ld : out),
+  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(rows), int(d), &alpha, W, CUDA_R_16BF,
+                            int(d), x, CUDA_R_16BF, int(d), &zero, y, y_type, int(y_ld ? y_ld : out),
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               weight.c_str());
+               what);
 }
 
 void GpuModel::copy_weights(bool training) {
   const int64_t d = cfg_.d_model;
-  for (const auto& [name, copy] : padded_router_at_)
-    MOEUT_CUDA_CHECK(cudaMemcpyAsync(copy.first, wparam(name), size_t(copy.second * d) * sizeof(bf16),
-                                     cudaMemcpyDeviceToDevice, stream_));
+  for (const LayerRouters& R : routers_)
+    for (const RouterWeight* r : {&R.ffn, &R.attention})
+      if (r->padded)
+        MOEUT_CUDA_CHECK(cudaMemcpyAsync(r->padded, r->param, size_t(r->rows * d) * sizeof(bf16),
+                                         cudaMemcpyDeviceToDevice, stream_));
   if (!training) return;
   const int64_t hd = cfg_.n_heads * cfg_.d_head, he = cfg_.n_heads * cfg_.att_n_experts;
-  for (int64_t g = 0; g < cfg_.group_size; ++g) {
-    const std::string p = layer_prefix(g);
-    MOEUT_CUDA_CHECK(cudaMemcpyAsync(attn_in_weights_.get() + g * attn_in_ld_ * d, wparam(p + "attention.q.weight"),
+  for (int64_t g = 0; g < cfg_.group_size; ++g)
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(attn_in_weights_.get() + g * attn_in_ld_ * d, params_.layers[g].q,
                                      size_t((2 * hd + 2 * he) * d) * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
-  }
 }
 
-const bf16* GpuModel::router_weight(const std::string& weight) const {
-  const auto copy = padded_router_at_.find(weight);
-  return copy != padded_router_at_.end() ? copy->second.first : wparam(weight);
-}
-
-void GpuModel::route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers, bool beside) {
+void GpuModel::route(const bf16* x, const bf16* W, std::initializer_list<Routing> routers, bool beside) {
   int64_t out = 0;
   for (const Routing& r : routers) out += r.groups * r.E;
   const int64_t N = B_ * cfg_.context, ld = router_ld(out);
@@ -262,7 +255,7 @@ void GpuModel::route(const bf16* x, const std::string& weight, std::initializer_
   const bool direct = routers.size() == 1 && ld == out;
   float* const logits = direct ? routers.begin()->z : router_logits_.get();
   mark(Part::kDense);
-  dense(x, weight, N, ld, 1.f, logits, CUDA_R_32F, ld, router_weight(weight));
+  dense(x, W, N, ld, 1.f, logits, CUDA_R_32F, ld, "router product");
   mark(Part::kRouting);
   if (beside) side_->fork();
   cudaStream_t const stream = beside ? side_->get() : stream_;
@@ -276,18 +269,19 @@ void GpuModel::route(const bf16* x, const std::string& weight, std::initializer_
 
 void GpuModel::attention_forward(int64_t l) {
   Layer& L = layers_[l];
-  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t g = l % cfg_.group_size;
+  const LayerTensors<bf16>& P = params_.layers[g];
   const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
   mark(Part::kOther);
   // xb: the raw residual in bf16, which the value experts read (the output experts then add into
   // the residual in place).
-  cuda::layernorm_forward(xn_.get(), L.rstd1.get(), residual_.get(), wparam(p + "ln1.weight"), wparam(p + "ln1.bias"), N,
-                          d, stream_, L.xb.get(), backward_ ? L.xhat1.get() : nullptr);
+  cuda::layernorm_forward(xn_.get(), L.rstd1.get(), residual_.get(), P.ln1_weight, P.ln1_bias, N, d, stream_,
+                          L.xb.get(), backward_ ? L.xhat1.get() : nullptr);
   // The value and output routers (adjacent in the layout) in one product. Their top-ks and plans,
   // small kernels bound by latency, run on the side stream beside q, k and RoPE; the output
   // experts' plan, needed only after the attention, is built beside the value experts too.
-  route(xn_.get(), p + "attention.sel_v",
+  route(xn_.get(), routers_[g].attention.get(),
         {{.groups = H, .E = Ea, .k = ka, .z = L.zv.get(), .index = L.iv.get(), .w = L.wv.get(),
           .means = reg_means(*reg_att_v_, l, L.zv_lse.get())},
          {.groups = H, .E = Ea, .k = ka, .z = L.zo.get(), .index = L.io.get(), .w = L.wo.get(),
@@ -299,15 +293,14 @@ void GpuModel::attention_forward(int64_t l) {
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
   // q and k (adjacent in the layout) in one product; their 2·H heads side by side take RoPE alike.
-  dense(xn_.get(), p + "attention.q.weight", N, 2 * hd, s, L.qk.get(), CUDA_R_16BF);
+  dense(xn_.get(), P.q, N, 2 * hd, s, L.qk.get(), CUDA_R_16BF, 0, "q and k product");
   mark(Part::kAttention);
   cuda::rope_forward(L.qk.get(), B_, T, 2 * H, dh, cfg_.rope_dims(), stream_);
   mark(Part::kExperts);
   side_->join_marked();
   cuda::cvmm_rows(cuda::at_selections(L.plan_v.view()),
-                  {.X = L.xb.get(), .W = wparam(p + "attention.v"), .weight = nullptr, .out = L.v_sel.get(),
-                   .out_f32 = nullptr, .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = dh, .transpose_w = false,
-                   .accumulate = false},
+                  {.X = L.xb.get(), .W = P.v, .weight = nullptr, .out = L.v_sel.get(), .out_f32 = nullptr,
+                   .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = dh, .transpose_w = false, .accumulate = false},
                   stream_);
   cuda::cvmm_sum_selections(L.v.get(), L.v_sel.get(), L.wv.get(), L.iv.get(), N * H, ka, dh, stream_);
   mark(Part::kAttention);
@@ -315,7 +308,7 @@ void GpuModel::attention_forward(int64_t l) {
   mark(Part::kExperts);
   side_->join();
   cuda::cvmm_rows(L.plan_o.view(),
-                  {.X = L.heads.get(), .W = wparam(p + "attention.o"), .weight = L.wo.get(), .out = nullptr,
+                  {.X = L.heads.get(), .W = P.o, .weight = L.wo.get(), .out = nullptr,
                    .out_f32 = residual_.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
                    .transpose_w = false, .accumulate = true, .out_rows = N},
                   stream_);
@@ -323,13 +316,14 @@ void GpuModel::attention_forward(int64_t l) {
 
 void GpuModel::ffn_forward(int64_t l) {
   Layer& L = layers_[l];
-  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t g = l % cfg_.group_size;
+  const LayerTensors<bf16>& P = params_.layers[g];
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
   float* y = residual_.get();  // the FFN experts add into it in place
   mark(Part::kOther);
-  cuda::layernorm_forward(xn_.get(), L.rstd2.get(), y, wparam(p + "ln2.weight"), wparam(p + "ln2.bias"), N, d, stream_,
+  cuda::layernorm_forward(xn_.get(), L.rstd2.get(), y, P.ln2_weight, P.ln2_bias, N, d, stream_,
                           L.x_midb.get(), backward_ ? L.xhat2.get() : nullptr);
-  route(xn_.get(), p + "ffn.expert_sel",
+  route(xn_.get(), routers_[g].ffn.get(),
         {{.groups = 1, .E = Ef, .k = kf, .z = L.z.get(), .index = L.i_ff.get(), .w = L.w_ff.get(),
           .means = reg_means(*reg_ffn_, l, L.z_lse.get())}});
   if (!dispatcher_) {
@@ -347,18 +341,18 @@ void GpuModel::ffn_forward(int64_t l) {
 
 void GpuModel::experts_forward(int64_t l, const int32_t* index, float* out) {
   Layer& L = layers_[l];
-  const std::string p = layer_prefix(l % cfg_.group_size);
+  const LayerTensors<bf16>& P = params_.layers[l % cfg_.group_size];
   const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
   const ExpertRows in = expert_rows(l);
   mark(Part::kExperts);
   planner_->build(L.plan_ff, index, in.rows, 1, E, kf, cuda::CvmmRoute::kGatherToPositions, stream_);
   cuda::cvmm_rows(L.plan_ff.view(),
-                  {.X = in.X, .W = wparam(p + "ffn.keys"), .weight = nullptr, .out = L.hidden.get(), .out_f32 = nullptr,
+                  {.X = in.X, .W = P.keys, .weight = nullptr, .out = L.hidden.get(), .out_f32 = nullptr,
                    .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es, .transpose_w = false, .accumulate = false,
                    .relu = cuda::CvmmRowsArgs::Relu::kApply},
                   stream_);
   cuda::cvmm_rows(L.plan_ff.view(true),
-                  {.X = L.hidden.get(), .W = wparam(p + "ffn.values"), .weight = in.weight, .out = nullptr,
+                  {.X = L.hidden.get(), .W = P.values, .weight = in.weight, .out = nullptr,
                    .out_f32 = out, .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d, .transpose_w = false,
                    .accumulate = true, .out_rows = in.rows},
                   stream_);
@@ -376,11 +370,8 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       targets_host_.get()[b * T + t] = tokens[b * (T + 1) + t + 1];
     }
   profiler_.clear();  // the profile is the last pass's
-  if (graphs() && pass != Pass::kEvaluate) {
-    enqueue_graphed(B, weight, pass);
-  } else {
-    enqueue(B, weight, pass);
-  }
+  if (graphs() && pass != Pass::kEvaluate) enqueue_graphed(B, weight, pass);
+  else enqueue(B, weight, pass);
   MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   LossParts out;
   out.ce = std::accumulate(row_loss_host_.get(), row_loss_host_.get() + N, 0.0) / double(N);
@@ -394,43 +385,14 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
 }
 
 void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
-  auto graph = std::find_if(graphs_.begin(), graphs_.end(), [&](const PassGraph& g) {
-    return g.pass == pass && g.B == B && g.weight == weight && g.profiled == profiler_.on() &&
-           g.written_before == expert_grads_written_;
-  });
-  if (graph == graphs_.end()) {
-    // First sight: eagerly, which also settles cuBLAS's choices and any set-up done on first
-    // use before a capture. Kinds of pass are few (a step's first micro-batch, the others, the
-    // loss alone); a caller varying the weight would add one a value, so the oldest goes first.
-    if (graphs_.size() == 8) {
-      if (graphs_.front().exec) MOEUT_CUDA_CHECK(cudaGraphExecDestroy(graphs_.front().exec));
-      graphs_.erase(graphs_.begin());
-    }
-    graphs_.push_back({.pass = pass, .B = B, .weight = weight, .profiled = profiler_.on(),
-                       .written_before = expert_grads_written_, .written_after = {}, .mark_parts = {}});
-    enqueue(B, weight, pass);
-    return;
-  }
-  if (!graph->exec) {
-    cudaGraph_t captured = nullptr;
-    MOEUT_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    try {
-      enqueue(B, weight, pass);
-    } catch (...) {
-      cudaStreamEndCapture(stream_, &captured);
-      if (captured) cudaGraphDestroy(captured);
-      throw;
-    }
-    MOEUT_CUDA_CHECK(cudaStreamEndCapture(stream_, &captured));
-    const cudaError_t made = cudaGraphInstantiate(&graph->exec, captured, 0);
-    cudaGraphDestroy(captured);
-    MOEUT_CUDA_CHECK(made);
-    graph->written_after = expert_grads_written_;
-    graph->mark_parts = profiler_.parts();
-  }
-  MOEUT_CUDA_CHECK(cudaGraphLaunch(graph->exec, stream_));
-  expert_grads_written_ = graph->written_after;
-  profiler_.set_parts(graph->mark_parts);
+  graphs_.run(
+      {.pass = pass, .B = B, .weight = weight, .profiled = profiler_.on(), .written_before = expert_grads_written_},
+      stream_, [&] { enqueue(B, weight, pass); },
+      [&] { return PassState{.written = expert_grads_written_, .mark_parts = profiler_.parts()}; },
+      [&](const PassState& after) {
+        expert_grads_written_ = after.written;
+        profiler_.set_parts(after.mark_parts);
+      });
 }
 
 void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
@@ -447,7 +409,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(targets_.get(), targets_host_.get(), size_t(N) * sizeof(int32_t),
                                    cudaMemcpyHostToDevice, stream_));
   copy_weights(backward);
-  cuda::embedding_forward(residual_.get(), inputs_.get(), wparam("embedding.weight"), N, d, stream_);
+  cuda::embedding_forward(residual_.get(), inputs_.get(), params_.embedding, N, d, stream_);
   if (regularised_) {
     mark(Part::kRouting);
     for (cuda::EntropyReg* reg : {reg_ffn_.get(), reg_att_v_.get(), reg_att_o_.get()}) reg->clear(stream_);
@@ -468,26 +430,26 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
     reg_att_o_->finish(g, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, side_->get());
   }
   mark(Part::kOther);
-  cuda::layernorm_forward(xf_.get(), rstd_f_.get(), residual_.get(), wparam("out_norm.weight"), wparam("out_norm.bias"),
+  cuda::layernorm_forward(xf_.get(), rstd_f_.get(), residual_.get(), params_.out_norm_weight, params_.out_norm_bias,
                           N, d, stream_, nullptr, backward ? xhat_f_.get() : nullptr);
   // The cross-entropy gradient starts the backward pass at the output LayerNorm.
   mark(Part::kDense);
-  head_->run(row_loss_.get(), backward ? dxf_.get() : nullptr, gparam("lm_head.weight"), gparam("lm_head.bias"),
-             xf_.get(), wparam("lm_head.weight"), wparam("lm_head.bias"), targets_.get(), N, float(weight / double(N)),
+  head_->run(row_loss_.get(), backward ? dxf_.get() : nullptr, param_grads_.lm_head_weight, param_grads_.lm_head_bias,
+             xf_.get(), params_.lm_head_weight, params_.lm_head_bias, targets_.get(), N, float(weight / double(N)),
              stream_);
   mark(Part::kRouting);
   side_->join();
   if (backward) {
     mark(Part::kOther);
     MOEUT_CUDA_CHECK(cudaMemsetAsync(dres_.get(), 0, dres_.size() * sizeof(float), stream_));
-    cuda::layernorm_backward(dres_.get(), gparam("out_norm.weight"), gparam("out_norm.bias"), dxf_.get(),
-                             xhat_f_.get(), wparam("out_norm.weight"), rstd_f_.get(), N, d, stream_, dresb_.get());
+    cuda::layernorm_backward(dres_.get(), param_grads_.out_norm_weight, param_grads_.out_norm_bias, dxf_.get(),
+                             xhat_f_.get(), params_.out_norm_weight, rstd_f_.get(), N, d, stream_, dresb_.get());
     for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
       ffn_backward(l);
       attention_backward(l);
     }
     mark(Part::kOther);
-    cuda::embedding_backward(gparam("embedding.weight"), dres_.get(), inputs_.get(), N, d, stream_);
+    cuda::embedding_backward(param_grads_.embedding, dres_.get(), inputs_.get(), N, d, stream_);
     fold_router_grads();
     side_->join();  // the first layer's value-expert weight gradient
   }
@@ -512,8 +474,7 @@ void GpuModel::dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, f
 }
 
 float* GpuModel::ffn_router_grad(int64_t group) const {
-  const std::string weight = layer_prefix(group) + "ffn.expert_sel";
-  if (router_grads_padded_.size() == 0) return gparam(weight);
+  if (router_grads_padded_.size() == 0) return param_grads_.layers[group].expert_sel;
   return router_grads_padded_.get() + group * router_ld(cfg_.ff_n_experts) * cfg_.d_model;
 }
 
@@ -523,7 +484,7 @@ void GpuModel::fold_router_grads() {
   mark(Part::kDense);
   for (int64_t g = 0; g < cfg_.group_size; ++g)
     check_cublas(cublasSaxpy(cublas_, int(cfg_.ff_n_experts * cfg_.d_model), &one, ffn_router_grad(g), 1,
-                             gparam(layer_prefix(g) + "ffn.expert_sel"), 1),
+                             param_grads_.layers[g].expert_sel, 1),
                  "FFN router gradient");
   MOEUT_CUDA_CHECK(cudaMemsetAsync(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float), stream_));
 }
@@ -546,7 +507,9 @@ void GpuModel::routing_grad(const cuda::SoftmaxGrad& reg, const int32_t* index, 
 
 void GpuModel::ffn_backward(int64_t l) {
   Layer& L = layers_[l];
-  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t g = l % cfg_.group_size;
+  const LayerTensors<bf16>& P = params_.layers[g];
+  const LayerTensors<float>& dP = param_grads_.layers[g];
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
   // dres holds d/d(layer output), and dresb its bf16 copy (written by the LayerNorm backward that
   // finished it). The FFN input is the raw x_mid: its expert gradient adds straight onto dres, and
@@ -566,19 +529,17 @@ void GpuModel::ffn_backward(int64_t l) {
   }
   // The router: its gradient's rows padded to router_ld (zeros past Ef), its weight likewise.
   const int64_t ld = router_ld(Ef);
-  const int64_t g = l % cfg_.group_size;
   routing_grad(reg_ffn_->gradient(g, L.z.get(), L.z_lse.get()), L.i_ff.get(), L.w_ff.get(),
                1, Ef, kf, dzb_.get(), ld);
   mark(Part::kDense);
-  dense_input_grad(dzb_.get(), ld, router_weight(p + "ffn.expert_sel"), ld, N, dxn_.get());
+  dense_input_grad(dzb_.get(), ld, routers_[g].ffn.get(), ld, N, dxn_.get());
   mark(Part::kOther);
   // LN2's backward also writes LN2's output again (bit for bit the forward's) into xn_, for the
   // router's weight gradient.
-  cuda::layernorm_backward(dres_.get(), gparam(p + "ln2.weight"), gparam(p + "ln2.bias"), dxn_.get(), L.xhat2.get(),
-                           wparam(p + "ln2.weight"), L.rstd2.get(), N, d, stream_, dresb_.get(), wparam(p + "ln2.bias"),
-                           xn_.get());
+  cuda::layernorm_backward(dres_.get(), dP.ln2_weight, dP.ln2_bias, dxn_.get(), L.xhat2.get(), P.ln2_weight,
+                           L.rstd2.get(), N, d, stream_, dresb_.get(), P.ln2_bias, xn_.get());
   mark(Part::kDense);
-  dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(l % cfg_.group_size), N, ld);
+  dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(g), N, ld);
 }
 
 GpuModel::ExpertRows GpuModel::expert_rows(int64_t l) const {
@@ -596,7 +557,7 @@ GpuModel::WeightGradTurn GpuModel::weight_grad_turn(int64_t l) const {
 void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw) {
   Layer& L = layers_[l];
   const int64_t g = l % cfg_.group_size, G = cfg_.group_size;
-  const std::string p = layer_prefix(g);
+  const LayerTensors<bf16>& P = params_.layers[g];
   const int64_t d = cfg_.d_model, E = layout_.shard().count, es = cfg_.ff_expert_size;
   const ExpertRows in = expert_rows(l);
   const WeightGradTurn turn = weight_grad_turn(l);
@@ -625,7 +586,7 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
       cuda::cvmm_weight_grad(deferred_plan, deferred_args, plan, a, side_->get());
     }
   };
-  float* const dvalues = gparam(p + "ffn.values");
+  float* const dvalues = param_grads_.layers[g].values;
   weight_grad(L.plan_ff.view(true),
               {.A = L.hidden.get(), .B = dY, .weight = in.weight, .a_by_in_row = true, .dW = dvalues, .K = es, .N = d,
                .n_experts = E, .overwrite = overwrite},
@@ -638,11 +599,11 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
   // dhidden comes out already through the ReLU's gradient (masked where hidden is 0); the
   // routing-weight gradient is the same either way, its dot products reading hidden itself.
   cuda::cvmm_rows(L.plan_ff.view(),
-                  {.X = dY, .W = wparam(p + "ffn.values"), .weight = in.weight, .out = dhidden, .out_f32 = nullptr,
+                  {.X = dY, .W = P.values, .weight = in.weight, .out = dhidden, .out_f32 = nullptr,
                    .dweight = dw, .dot_rows = L.hidden.get(), .K = d, .N = es, .transpose_w = true, .accumulate = false,
                    .relu = cuda::CvmmRowsArgs::Relu::kMaskByDotRows},
                   stream_);
-  float* const dkeys = gparam(p + "ffn.keys");
+  float* const dkeys = param_grads_.layers[g].keys;
   weight_grad(L.plan_ff.view(),
               {.A = in.X, .B = dhidden, .weight = nullptr, .a_by_in_row = true, .dW = dkeys, .K = d, .N = es,
                .n_experts = E, .overwrite = overwrite},
@@ -654,16 +615,17 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
               });
   if (turn != WeightGradTurn::kDefer) expert_grads_written_[size_t(g)] = 1;
   cuda::cvmm_rows(L.plan_ff.view(true),
-                  {.X = dhidden, .W = wparam(p + "ffn.keys"), .weight = nullptr, .out = nullptr, .out_f32 = dX,
-                   .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d, .transpose_w = true, .accumulate = true,
-                   .out_rows = in.rows},
+                  {.X = dhidden, .W = P.keys, .weight = nullptr, .out = nullptr, .out_f32 = dX, .dweight = nullptr,
+                   .dot_rows = nullptr, .K = es, .N = d, .transpose_w = true, .accumulate = true, .out_rows = in.rows},
                   stream_);
   side_->join();
 }
 
 void GpuModel::attention_backward(int64_t l) {
   Layer& L = layers_[l];
-  const std::string p = layer_prefix(l % cfg_.group_size);
+  const int64_t g = l % cfg_.group_size;
+  const LayerTensors<bf16>& P = params_.layers[g];
+  const LayerTensors<float>& dP = param_grads_.layers[g];
   const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
   mark(Part::kOther);  // dresb: the bf16 copy of dres, from LN2's backward
@@ -676,11 +638,10 @@ void GpuModel::attention_backward(int64_t l) {
   side_->fork();
   cuda::cvmm_weight_grad(L.plan_o.view(),
                          {.A = L.heads.get(), .B = dresb_.get(), .weight = L.wo.get(), .a_by_in_row = true,
-                          .dW = gparam(p + "attention.o"), .K = dh, .N = d, .n_experts = H * Ea,
-                          .staging = att_dw_staging_.get()},
+                          .dW = dP.o, .K = dh, .N = d, .n_experts = H * Ea, .staging = att_dw_staging_.get()},
                          side_->get());
   cuda::cvmm_rows(L.plan_o.view(true),
-                  {.X = dresb_.get(), .W = wparam(p + "attention.o"), .weight = L.wo.get(), .out = nullptr,
+                  {.X = dresb_.get(), .W = P.o, .weight = L.wo.get(), .out = nullptr,
                    .out_f32 = dheads_f32_.get(), .dweight = dw_.get(), .dot_rows = L.heads.get(), .K = d, .N = dh,
                    .transpose_w = true, .accumulate = true, .out_rows = N * H},
                   stream_);
@@ -690,7 +651,6 @@ void GpuModel::attention_backward(int64_t l) {
   bf16* const dk = dq + hd;
   bf16* const dz_v = dq + 2 * hd;
   bf16* const dz_o = dz_v + H * Ea;
-  const int64_t g = l % cfg_.group_size;
   routing_grad(reg_att_o_->gradient(g, L.zo.get(), L.zo_lse.get()), L.io.get(), L.wo.get(), H, Ea, ka, dz_o,
                attn_in_ld_);
   mark(Part::kAttention);
@@ -703,7 +663,7 @@ void GpuModel::attention_backward(int64_t l) {
   // gradient dots dv with each selection's kept row.
   mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_v.view(true),
-                  {.X = dv_.get(), .W = wparam(p + "attention.v"), .weight = L.wv.get(), .out = nullptr,
+                  {.X = dv_.get(), .W = P.v, .weight = L.wv.get(), .out = nullptr,
                    .out_f32 = dres_.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
                    .transpose_w = true, .accumulate = true, .out_rows = N},
                   stream_);
@@ -714,28 +674,26 @@ void GpuModel::attention_backward(int64_t l) {
   cuda::rope_backward(dq, B_, T, 2 * H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);  // dq and dk's 2·H heads
   mark(Part::kDense);
   // The input gradient is one product over all four.
-  dense_input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get() + (l % cfg_.group_size) * attn_in_ld_ * d,
-                   attn_in_ld_, N, dxn_.get());
+  dense_input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get() + g * attn_in_ld_ * d, attn_in_ld_, N,
+                   dxn_.get());
   side_->join();
   mark(Part::kOther);
   // dresb for the layer below (none below the first: the embedding's gradient reads dres), and
   // LN1's output again (bit for bit the forward's) into xn_ for the weight gradients.
-  cuda::layernorm_backward(dres_.get(), gparam(p + "ln1.weight"), gparam(p + "ln1.bias"), dxn_.get(), L.xhat1.get(),
-                           wparam(p + "ln1.weight"), L.rstd1.get(), N, d, stream_, l > 0 ? dresb_.get() : nullptr,
-                           wparam(p + "ln1.bias"), xn_.get());
+  cuda::layernorm_backward(dres_.get(), dP.ln1_weight, dP.ln1_bias, dxn_.get(), L.xhat1.get(), P.ln1_weight,
+                           L.rstd1.get(), N, d, stream_, l > 0 ? dresb_.get() : nullptr, P.ln1_bias, xn_.get());
   // The value experts' weight gradient runs on the side stream beside this layer's dense weight
   // gradients and the next layer's FFN backward, whose join comes before dv_ is written again.
   mark(Part::kExperts);
   side_->fork();
   cuda::cvmm_weight_grad(L.plan_v.view(),
                          {.A = L.xb.get(), .B = dv_.get(), .weight = L.wv.get(), .a_by_in_row = true,
-                          .dW = gparam(p + "attention.v"), .K = d, .N = dh, .n_experts = H * Ea,
-                          .staging = att_dw_staging_.get()},
+                          .dW = dP.v, .K = d, .N = dh, .n_experts = H * Ea, .staging = att_dw_staging_.get()},
                          side_->get());
   mark(Part::kDense);
   // The weight gradients: q, k and the two routers are adjacent in the layout (checked at
   // construction), so one product.
-  dense_weight_grad(dq, attn_in_ld_, xn_.get(), gparam(p + "attention.q.weight"), N, 2 * hd + 2 * H * Ea);
+  dense_weight_grad(dq, attn_in_ld_, xn_.get(), dP.q, N, 2 * hd + 2 * H * Ea);
 }
 
 }  // namespace moeut

@@ -10,15 +10,15 @@
 #include <array>
 #include <initializer_list>
 #include <memory>
-#include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "core/config.h"
 #include "core/device_ledger.h"
 #include "core/gpu_token_dispatcher.h"
 #include "core/model.h"
+#include "core/param_tensors.h"
 #include "core/params.h"
+#include "core/pass_graph_cache.h"
 #include "core/side_stream.h"
 #include "core/step_profiler.h"
 #include "kernels/attention_cuda.h"
@@ -69,9 +69,7 @@ class GpuModel {
   void set_graphs(bool on) { graphs_on_ = on; }
   bool graphs() const { return graphs_on_ && !dispatcher_; }  // whether training and loss passes replay
   // How many kinds of pass are captured (replayed on their next sight).
-  int64_t captured_passes() const {
-    return std::count_if(graphs_.begin(), graphs_.end(), [](const PassGraph& g) { return g.exec != nullptr; });
-  }
+  int64_t captured_passes() const { return graphs_.captured(); }
   int64_t dispatch_bytes() const { return dispatcher_ ? dispatcher_->bytes_sent() : 0; }  // sent to other ranks
 
   // Where a pass spends device time, by part (moeut-bench; see StepProfiler). Off by default.
@@ -94,8 +92,6 @@ class GpuModel {
  private:
   struct Layer;
   using bf16 = __nv_bfloat16;
-  bf16* wparam(const std::string& name) const;
-  float* gparam(const std::string& name) const;
   enum class Pass { kEvaluate, kLoss, kTrain };
   LossParts run(const int32_t* tokens, int64_t B, double weight, Pass pass);
   // A pass's device work, from the staged tokens to its losses copied back into pinned memory.
@@ -136,18 +132,26 @@ class GpuModel {
   // [rows, groups·E] with rows ld elements apart.
   void routing_grad(const cuda::SoftmaxGrad& reg, const int32_t* index, const float* w, int64_t groups, int64_t E,
                     int64_t k, bf16* dzb, int64_t ld);
-  // y's rows are y_ld elements apart (0: out_features); w: the weight's values when not the
-  // parameter itself (a padded copy).
-  void dense(const bf16* x, const std::string& weight, int64_t rows, int64_t out_features, float alpha, void* y,
-             cudaDataType y_type, int64_t y_ld = 0, const bf16* w = nullptr);
+  // y's rows are y_ld elements apart (0: out_features); what: the product, for errors.
+  void dense(const bf16* x, const bf16* W, int64_t rows, int64_t out_features, float alpha, void* y,
+             cudaDataType y_type, int64_t y_ld, const char* what);
   // Copies of working weights in the shapes their products want, one per physical layer, made at
   // the start of each pass (the weights change only between passes): routers whose row count is
   // not a multiple of 8, padded to router_ld rows (see router_ld); and, when training, the four
   // products that read LN1's output, stacked as attn_in_weights_.
   void copy_weights(bool training);
-  // A router's weight (from `weight` on, for the routers that route() multiplies together): its
-  // padded copy when it has one, else the parameter.
-  const bf16* router_weight(const std::string& weight) const;
+  // A router product's weight: the parameter, `rows` rows from its first router on (for the
+  // routers that route() multiplies together), and its copy padded to router_ld rows when rows is
+  // not a multiple of 8 (see router_ld).
+  struct RouterWeight {
+    const bf16* param;
+    int64_t rows;
+    bf16* padded = nullptr;
+    const bf16* get() const { return padded ? padded : param; }  // what the product reads
+  };
+  struct LayerRouters {
+    RouterWeight ffn, attention;  // attention: the value and output routers, one product
+  };
   // One router's outputs: logits z [N, groups·E] (kept for the regularisers and the backward
   // pass) and the top k of each group, index and w [N, groups, k]; its regulariser's means, which
   // the top-k adds into (none when their mean is null).
@@ -158,16 +162,17 @@ class GpuModel {
     float* w;
     cuda::SoftmaxMeans means;
   };
-  // Routing by routers whose weights lie one after another from `weight`: one product x·Wᵀ for
-  // all of them, in fp32 (see router_ld), then each one's top k: on the main stream, or with
-  // `beside`, forked after the product onto the side stream (the caller joins it).
-  void route(const bf16* x, const std::string& weight, std::initializer_list<Routing> routers, bool beside = false);
+  // Routing by routers whose weights lie one after another in W (a RouterWeight's): one product
+  // x·Wᵀ for all of them, in fp32 (see router_ld), then each one's top k: on the main stream, or
+  // with `beside`, forked after the product onto the side stream (the caller joins it).
+  void route(const bf16* x, const bf16* W, std::initializer_list<Routing> routers, bool beside = false);
   // The means that layer l's router adds into through reg (none in an evaluation pass); lse
   // receives its rows' log-sum-exps.
   cuda::SoftmaxMeans reg_means(const cuda::EntropyReg& reg, int64_t l, float* lse) const {
     return regularised_ ? reg.means(l % cfg_.group_size, lse) : cuda::SoftmaxMeans{};
   }
-  void mark(Part p) { profiler_.mark(p); }  // the work queued on the main stream from here on belongs to p
+  // The work queued on the main stream from here on belongs to p (kCount: none).
+  void mark(Part p) { profiler_.mark(p); }
   // Where a physical layer's FFN router weight gradient accumulates: its rows in
   // router_grads_padded_ when that exists, else the parameter's gradient.
   float* ffn_router_grad(int64_t group) const;
@@ -189,6 +194,10 @@ class GpuModel {
   // (until then its first weight gradient writes them instead of adding).
   std::vector<char> expert_grads_written_;
   cuda::DeviceBuffer<bf16> working_;
+  // The parameters in working_ and their gradients in grads_; q, k and the attention's two routers
+  // are adjacent in the layout (checked at construction).
+  ModelTensors<bf16> params_;
+  ModelTensors<float> param_grads_;
   cuda::DeviceBuffer<int32_t> inputs_, targets_;
   // The residual stream, which the output experts and the FFN experts add into in place: a
   // layer's backward reads its LayerNorms' x̂ and its bf16 copies, never the fp32 residual.
@@ -220,7 +229,7 @@ class GpuModel {
   // physical layer): cuBLAS's product on 565 rows picks a slower sm80 kernel with a split-K pass.
   // Added into the parameters' gradients at the end of each backward pass (fold_router_grads).
   cuda::DeviceBuffer<float> router_grads_padded_;
-  std::unordered_map<std::string, std::pair<bf16*, int64_t>> padded_router_at_;  // copy, rows copied
+  std::vector<LayerRouters> routers_;  // per physical layer, their copies in padded_routers_
   // The gradients of the four products that read LN1's output, side by side in one matrix
   // [N, attn_in_ld_] (dq, dk, the value router's, the output router's; zero past them), and those
   // products' weights stacked to match [attn_in_ld_, d] per physical layer: their input gradient
@@ -243,16 +252,19 @@ class GpuModel {
   // batch, its weight, whether it is profiled, and which physical layers' expert gradients are
   // written (which decides whether their first weight gradient writes or adds). A replay leaves
   // that state, and the parts of its marks, as the captured pass did.
-  struct PassGraph {
+  struct PassKey {
     Pass pass;
     int64_t B;
     double weight;
     bool profiled;
-    std::vector<char> written_before, written_after;
-    std::vector<Part> mark_parts;
-    cudaGraphExec_t exec = nullptr;  // none until the pass is seen a second time
+    std::vector<char> written_before;
+    bool operator==(const PassKey&) const = default;
   };
-  std::vector<PassGraph> graphs_;
+  struct PassState {
+    std::vector<char> written;
+    std::vector<Part> mark_parts;
+  };
+  PassGraphCache<PassKey, PassState> graphs_;
   bool graphs_on_ = true;
   // Tokens in and losses out, staged in pinned memory so their copies are part of the graph.
   cuda::PinnedBuffer<int32_t> inputs_host_, targets_host_;
