@@ -178,11 +178,13 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   reg_att_v_ = std::make_unique<cuda::EntropyReg>(G, batch, T, H, cfg_.att_n_experts, R);
   reg_att_o_ = std::make_unique<cuda::EntropyReg>(G, batch, T, H, cfg_.att_n_experts, R);
   head_ = std::make_unique<cuda::LmHeadCE>(cublas_, cfg_.n_tokens, d);
-  for (const Layer& L : layers_)
+  for (const Layer& L : layers_) {
     ledger_.add(Kind::kActivations, L.plan_v.device_bytes() + L.plan_o.device_bytes() + L.plan_ff.device_bytes());
+    if (L.route) ledger_.add(Kind::kExchange, L.route->device_bytes());
+  }
   ledger_.add(Kind::kWorkspace, planner_->device_bytes() + attention_->device_bytes() + reg_ffn_->device_bytes() +
                                     reg_att_v_->device_bytes() + reg_att_o_->device_bytes() + head_->device_bytes());
-  if (dispatcher_) ledger_.add(Kind::kExchange, dispatcher_->device_bytes(layers_.size()));
+  if (dispatcher_) ledger_.add(Kind::kExchange, dispatcher_->device_bytes());
 }
 
 GpuModel::~GpuModel() {
@@ -378,8 +380,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
   out.reg_ffn = reg_loss_host_.get()[0] / weight;
   out.reg_att = reg_loss_host_.get()[1] / weight;
   if (pass == Pass::kTrain) {
-    for (int64_t i = 0; i < N; ++i) out.residual_std += 1.0 / double(rstd_f_host_.get()[i]);
-    out.residual_std /= double(N);
+    out.residual_std = residual_std_of(rstd_f_host_.get(), N);
   }
   return out;
 }

@@ -21,6 +21,7 @@ class GpuTokenDispatcher {
   class Route {
    public:
     virtual ~Route() = default;
+    virtual int64_t device_bytes() const = 0;
   };
 
   virtual ~GpuTokenDispatcher() = default;
@@ -41,8 +42,7 @@ class GpuTokenDispatcher {
   virtual void combine_grad(const Route& route, const float* recv_dx, const float* recv_dw, float* dx, float* dw) = 0;
 
   virtual int64_t bytes_sent() const = 0;  // to other ranks, since construction
-  // Device memory of the dispatcher and of `routes` routes.
-  virtual int64_t device_bytes(size_t routes) const = 0;
+  virtual int64_t device_bytes() const = 0;  // its own buffers (routes report theirs)
 };
 
 // Makes the dispatcher of a model that holds a shard of the experts: for up to max_tokens token

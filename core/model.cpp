@@ -333,8 +333,7 @@ LossParts Model<T>::forward_backward(const int32_t* tokens, int64_t B, double we
                                    xf_.data(), param("lm_head.weight"), param("lm_head.bias"), targets_.data(),
                                    N, d, cfg_.n_tokens, T(weight / double(N)), s_.logits);
   loss.ce = ce_sum / double(N);
-  for (int64_t i = 0; i < N; ++i) loss.residual_std += 1.0 / double(rstd_f_[size_t(i)]);
-  loss.residual_std /= double(N);
+  loss.residual_std = residual_std_of(rstd_f_.data(), N);
   T* dx = s_.dres.data();  // gradient w.r.t. the residual stream, carried down the layers
   zero(s_.dres);
   layernorm_backward(dx, grad("out_norm.weight"), grad("out_norm.bias"), s_.dxf.data(), xs_.back().data(),

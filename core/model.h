@@ -22,6 +22,14 @@ struct LossParts {
   double total() const { return ce + reg_ffn + reg_att; }
 };
 
+// residual_std of `rows` rows from the output LayerNorm's 1 / sqrt(var + eps) of each.
+template <typename T>
+double residual_std_of(const T* rstd, int64_t rows) {
+  double sum = 0;
+  for (int64_t i = 0; i < rows; ++i) sum += 1.0 / double(rstd[i]);
+  return sum / double(rows);
+}
+
 template <typename T>
 class Model {
  public:

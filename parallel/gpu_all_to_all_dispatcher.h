@@ -36,10 +36,9 @@ class GpuAllToAllDispatcher final : public GpuTokenDispatcher {
   void dispatch_grad(const Route& route, const __nv_bfloat16* dy, __nv_bfloat16* recv_dy) override;
   void combine_grad(const Route& route, const float* recv_dx, const float* recv_dw, float* dx, float* dw) override;
   int64_t bytes_sent() const override { return bytes_sent_; }
-  int64_t device_bytes(size_t routes) const override {
+  int64_t device_bytes() const override {
     return flags_.bytes() + send_index_.bytes() + send_counts_.bytes() + scan_scratch_.bytes() + send_x_.bytes() +
-           send_weight_.bytes() + back_rows_.bytes() + back_weight_.bytes() +
-           int64_t(routes) * ranks_ * max_tokens_ * int64_t(sizeof(int32_t));
+           send_weight_.bytes() + back_rows_.bytes() + back_weight_.bytes();
   }
 
  private:
@@ -49,6 +48,7 @@ class GpuAllToAllDispatcher final : public GpuTokenDispatcher {
     cuda::DeviceBuffer<int32_t> position;  // [ranks, max_tokens]: row in the send buffer, or -1
     std::vector<int64_t> sent, received;   // rows per rank
     int64_t tokens = 0, received_rows = 0;
+    int64_t device_bytes() const override { return position.bytes(); }
   };
   void count(int64_t rows_per_rank_bytes, const std::vector<int64_t>& rows);
 

@@ -61,6 +61,15 @@ TokenFile open_data(const std::string& path, const char* option, const ModelConf
 
 namespace {
 
+// x in `format` for a metrics record, or null where it overflowed (a gradient norm, a residual's
+// spread), so the record stays JSON.
+std::string json_number(double x, const char* format) {
+  if (!std::isfinite(x)) return "null";
+  char out[32];
+  std::snprintf(out, sizeof out, format, x);
+  return out;
+}
+
 // The configuration, after the checks that involve the process layout.
 const Config& checked(const Config& c, const ProcessGroups& g) {
   validate(c);
@@ -158,10 +167,7 @@ double Trainer::run() {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     losses_.push_back(loss.total());
     log_step(step + 1, loss, lr, norm, seconds, {comm, backend_->dispatch_bytes() - dispatched});
-    const double median = recent_median_norm();
-    if (t.grad_jump_factor > 0 && norm > t.grad_jump_factor * median) report_gradient_jump(step + 1, norm, median);
-    if (recent_norms_.size() == kNormWindow) recent_norms_.erase(recent_norms_.begin());
-    recent_norms_.push_back(norm);
+    if (t.grad_jump_factor > 0) watch_gradient_norm(step + 1, norm);
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps && !stopping_)
       log_validation(step + 1, validation_loss(t.eval_batches * micro), false);
     if (after_step_) after_step_(step + 1);
@@ -223,18 +229,12 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
   std::printf("\n");
   std::fflush(stdout);
   char line[640];
-  // A number JSON can hold: a value that overflowed (a gradient norm, a residual's spread) is null.
-  auto number = [](double x, const char* format) {
-    char out[32];
-    std::snprintf(out, sizeof out, format, x);
-    return std::isfinite(x) ? std::string(out) : std::string("null");
-  };
   std::snprintf(line, sizeof line,
                 "{\"step\": %lld, \"loss\": %.8g, \"ce\": %.8g, \"reg_ffn\": %.8g, \"reg_att\": %.8g, "
                 "\"lr\": %.8g, \"grad_norm\": %s, \"residual_std\": %s, \"tokens_per_s\": %.1f, "
                 "\"comm_s\": %.6g, \"dispatch_bytes\": %lld}\n",
                 (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr,
-                number(grad_norm, "%.8g").c_str(), number(loss.residual_std, "%.6g").c_str(), tokens_per_s,
+                json_number(grad_norm, "%.8g").c_str(), json_number(loss.residual_std, "%.6g").c_str(), tokens_per_s,
                 traffic.comm_seconds, (long long)traffic.dispatch_bytes);
   metrics_ << line << std::flush;
 }
@@ -254,14 +254,15 @@ void Trainer::warn_if_bound_to_one_cpu() {
   std::fflush(stdout);
 }
 
-double Trainer::recent_median_norm() const {
-  if (recent_norms_.size() < kFewestNorms) return INFINITY;
+void Trainer::watch_gradient_norm(int64_t step, double grad_norm) {
+  constexpr size_t kWindow = 20, kFewest = 10;  // steps the median is taken over, and needs
   std::vector<double> sorted = recent_norms_;
+  if (recent_norms_.size() == kWindow) recent_norms_.erase(recent_norms_.begin());
+  recent_norms_.push_back(grad_norm);
+  if (sorted.size() < kFewest) return;
   std::nth_element(sorted.begin(), sorted.begin() + ptrdiff_t(sorted.size() / 2), sorted.end());
-  return sorted[sorted.size() / 2];
-}
-
-void Trainer::report_gradient_jump(int64_t step, double grad_norm, double median) {
+  const double median = sorted[sorted.size() / 2];
+  if (!(grad_norm > cfg_.train.grad_jump_factor * median)) return;
   std::vector<double> sums = backend_->gradient_square_sums();
   groups_.world->all_reduce_sum(std::span<double>(sums));
   if (!leader()) return;
@@ -270,18 +271,15 @@ void Trainer::report_gradient_jump(int64_t step, double grad_norm, double median
   std::iota(order.begin(), order.end(), size_t(0));
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sums[a] > sums[b]; });
   std::printf("gradient norm jump at step %lld: %.4g, %.1fx the median %.4g of the %zu steps before; largest by tensor:",
-              (long long)step, grad_norm, grad_norm / median, median, recent_norms_.size());
+              (long long)step, grad_norm, grad_norm / median, median, sorted.size());
   for (size_t i = 0; i < std::min<size_t>(6, order.size()); ++i)
     std::printf(" %s %.3g%s", tensors[order[i]].name.c_str(), std::sqrt(sums[order[i]]), i < 5 ? "," : "");
   std::printf("\n");
   std::fflush(stdout);
-  std::string line = "{\"step\": " + std::to_string(step) + ", \"grad_norm_jump\": " + std::to_string(grad_norm) +
+  std::string line = "{\"step\": " + std::to_string(step) + ", \"grad_norm_jump\": " + json_number(grad_norm, "%.8g") +
                      ", \"tensor_grad_norms\": {";
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    char value[64];
-    std::snprintf(value, sizeof value, "%s\"%s\": %.6g", t ? ", " : "", tensors[t].name.c_str(), std::sqrt(sums[t]));
-    line += value;
-  }
+  for (size_t t = 0; t < tensors.size(); ++t)
+    line += (t ? ", \"" : "\"") + tensors[t].name + "\": " + json_number(std::sqrt(sums[t]), "%.6g");
   metrics_ << line << "}}\n" << std::flush;
 }
 

@@ -70,12 +70,10 @@ class Trainer {
   };
   void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds, const Traffic& traffic);
   void log_validation(int64_t step, double loss, bool final);
-  // The median of the last kNormWindow steps' gradient norms (infinity while fewer than
-  // kFewestNorms are known): what TrainConfig::grad_jump_factor multiplies.
-  double recent_median_norm() const;
-  // Logs each tensor's gradient norm of a step whose norm jumped above the median (a collective:
-  // every rank decides alike, from the same global norms).
-  void report_gradient_jump(int64_t step, double grad_norm, double median);
+  // With TrainConfig::grad_jump_factor: when this step's gradient norm exceeds that multiple of
+  // the median of the steps' before it (up to 20, once 10 are known), logs each tensor's
+  // gradient norm (a collective: every rank decides alike, from the same global norms).
+  void watch_gradient_norm(int64_t step, double grad_norm);
   // Rank 0 warns when ranks are bound to one CPU of a machine that has more (a collective).
   void warn_if_bound_to_one_cpu();
   double validation_loss(int64_t max_windows);
@@ -88,8 +86,7 @@ class Trainer {
   std::unique_ptr<TrainingBackend> backend_;
   std::ofstream metrics_;
   std::vector<double> losses_;
-  static constexpr size_t kNormWindow = 20, kFewestNorms = 10;
-  std::vector<double> recent_norms_;  // the last kNormWindow steps' gradient norms
+  std::vector<double> recent_norms_;  // the last steps' gradient norms, for watch_gradient_norm
   int64_t start_step_ = 0;
   bool stopping_ = false;
   std::function<void(int64_t)> after_step_;
