@@ -6,11 +6,13 @@
 # (0.9, 0.999, 1e-8, weight decay 0.01), clip 0.25, on data/brown.
 #   launch/gpu-seed-sweep.sh [NAME [moeut-train options that override the recipe's ...]]
 # Environment: SEEDS (default "1 2 3 4 5 6 7 8"), PROFILE (126M), STEPS (500), LR (1e-3),
-# WARMUP (50), RUNS_PER_GPU (2), RUN_TIMEOUT (seconds a run may take, 3600), BIN (build-gpu),
+# WARMUP (50), RUNS_PER_GPU (2), GPUS (the GPUs' indices to use, default all), RUN_TIMEOUT
+# (seconds a run may take, 3600), BIN (build-gpu),
 # DATA (the token files' folder, data/brown), MAX_VAL (4.70: a final validation loss above it
 # fails the sweep), RUN_ENV (variables set for every run, e.g. "MOEUT_NO_GRAPHS=1"), OFFICIAL (a
 # folder holding the official implementation's `moeut` package: train it instead, through
-# launch/official_train.py, with the same recipe; extra options are not passed to it).
+# launch/official_train.py, with the same recipe; the extra options are then its own, e.g.
+# "--start project" to leave from moeut-train's initial weights and batches for each seed).
 # Steps whose gradient norm jumps 5x above the recent median are logged with each tensor's norm.
 # Each run's log and metrics go under $OUT/NAME/ (packed into $OUT/NAME.tgz, as few files come
 # back from a device call), the verdicts to $OUT/NAME.txt and stdout. Exit status: 1 when a seed
@@ -25,7 +27,8 @@ data=${DATA:-$root/data/brown}
 dir=$out/$name
 mkdir -p "$dir"
 [ -f "$data/train.bin" ] || { echo "gpu-seed-sweep: no $data/train.bin (launch/main-job.sh prepares it)" >&2; exit 2; }
-gpus=$(nvidia-smi -L | wc -l)
+read -r -a gpu_ids <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
+gpus=${#gpu_ids[@]}
 [ "$gpus" -ge 1 ] || { echo "gpu-seed-sweep: no GPU" >&2; exit 2; }
 slots=$((gpus * ${RUNS_PER_GPU:-2}))
 recipe=(--config "$root/configs/${PROFILE:-126M}.cfg" --train_data "$data/train.bin" --val_data "$data/val.bin"
@@ -37,7 +40,6 @@ official=(--config "$root/configs/${PROFILE:-126M}.cfg" --train_data "$data/trai
           --weight_decay 0.01 --grad_clip 0.25)
 if [ -n "${OFFICIAL:-}" ]; then
   recipe=(python3 "$root/launch/official_train.py" --package "$OFFICIAL" "${official[@]}")
-  set --
 else
   recipe=("$bin/moeut-train" "${recipe[@]}")
 fi
@@ -45,7 +47,7 @@ echo "sweep $name: $(cat "${BIN:-$root/build-gpu}/source.txt" 2>/dev/null || ech
   | tee "$dir/recipe.txt"
 i=0
 for seed in ${SEEDS:-1 2 3 4 5 6 7 8}; do
-  gpu=$((i % gpus))
+  gpu=${gpu_ids[$((i % gpus))]}
   # shellcheck disable=SC2086  # RUN_ENV is a list of assignments
   env CUDA_VISIBLE_DEVICES=$gpu ${RUN_ENV:-} timeout "${RUN_TIMEOUT:-3600}" "${recipe[@]}" --seed "$seed" \
     --metrics "$dir/seed$seed.jsonl" "$@" > "$dir/seed$seed.log" 2>&1 &

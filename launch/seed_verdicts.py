@@ -3,9 +3,12 @@
 
 A seed diverged when its run stopped without a final validation, a loss or gradient norm was not
 finite, or its training loss (mean of 10 steps) rose more than RISE above the lowest such mean
-before it (a collapse, such as training going back to the unigram level). A seed that trained but
-ended above MAX_VAL is reported as such. Each seed's row also gives its largest gradient norm, its
-largest residual_std (the spread of the last residual, which grows without bound in a collapse). Exit status 1 when any seed diverged or ended above it.
+before it, or its residual_std (the spread of the last residual) overflowed or grew more than
+GROWTH times its first step's: the growth that precedes a collapse to unigram level, which a run
+that collapses early, before its loss fell, shows where its loss does not (moeut-train warns at
+the same bound). A seed that trained but ended above MAX_VAL is reported as such. Each seed's row
+also gives its largest gradient norm and its largest residual_std. Exit status 1 when any seed
+diverged or ended above MAX_VAL.
 """
 import argparse
 import json
@@ -26,7 +29,7 @@ def rows_of(path):
     return rows
 
 
-def verdict(path, rise, max_val):
+def verdict(path, rise, growth, max_val):
     seed = int(re.search(r"seed(\d+)", path.name).group(1))
     rows = rows_of(path)
     steps = [r for r in rows if "loss" in r]
@@ -51,11 +54,14 @@ def verdict(path, rise, max_val):
                 for r in steps if "residual_std" in r]
         if stds:
             info["max_std"], info["max_std_at"] = max(stds, key=lambda x: x[0] if not math.isnan(x[0]) else math.inf)
+            info["growth"] = info["max_std"] / stds[0][0] if not math.isnan(info["max_std"]) else math.inf
     info["val"] = finals[-1]["val_loss"] if finals else math.nan
     if not steps or not finals or not info["finite"] or not math.isfinite(info["val"]):
         info["verdict"] = "diverged (stopped)" if not finals else "diverged (not finite)"
     elif info["rise"] > rise:
         info["verdict"] = f"diverged (loss rose {info['rise']:.2f} by step {info['rise_at']})"
+    elif info.get("growth", 0) > growth:
+        info["verdict"] = f"collapsed (residual_std grew {info['growth']:.2g} times by step {info['max_std_at']})"
     elif info["val"] > max_val:
         info["verdict"] = f"trained, above {max_val}"
     else:
@@ -67,6 +73,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("dir", type=pathlib.Path)
     p.add_argument("--rise", type=float, default=1.0)
+    p.add_argument("--growth", type=float, default=1e6)
     p.add_argument("--max_val", type=float, default=4.70)
     a = p.parse_args()
     paths = sorted(a.dir.glob("seed*.jsonl"), key=lambda q: int(re.search(r"seed(\d+)", q.name).group(1)))
@@ -75,14 +82,14 @@ def main():
         return 1
     print(f"{'seed':>4} {'steps':>5} {'final val':>9} {'last loss':>9} {'max grad norm':>17} "
           f"{'max residual std':>17} verdict")
-    results = [verdict(q, a.rise, a.max_val) for q in paths]
+    results = [verdict(q, a.rise, a.growth, a.max_val) for q in paths]
     for r in results:
         norm = f"{r.get('max_norm', math.nan):.3g} @{r.get('max_norm_at', '-')}"
         std = f"{r.get('max_std', math.nan):.3g} @{r.get('max_std_at', '-')}"
         print(f"{r['seed']:>4} {r['steps']:>5} {r['val']:>9.4f} {r.get('last_loss', math.nan):>9.4f} {norm:>17} "
               f"{std:>17} {r['verdict']}")
         log = a.dir / f"seed{r['seed']}.log"
-        if r["verdict"].startswith("diverged") and log.exists():
+        if r["verdict"].startswith(("diverged", "collapsed")) and log.exists():
             jumps = [l for l in log.read_text().splitlines() if l.startswith("gradient norm jump")]
             for l in jumps[:2]:
                 print("       " + l)

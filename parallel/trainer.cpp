@@ -168,6 +168,7 @@ double Trainer::run() {
     losses_.push_back(loss.total());
     log_step(step + 1, loss, lr, norm, seconds, {comm, backend_->dispatch_bytes() - dispatched});
     if (t.grad_jump_factor > 0) watch_gradient_norm(step + 1, norm);
+    watch_residual(step + 1, loss.residual_std);
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps && !stopping_)
       log_validation(step + 1, validation_loss(t.eval_batches * micro), false);
     if (after_step_) after_step_(step + 1);
@@ -251,6 +252,37 @@ void Trainer::warn_if_bound_to_one_cpu() {
               "%d): mpirun binds each rank to one core by default; start with --bind-to none (or --map-by "
               "slot:PE=<cores per rank>) and set OMP_NUM_THREADS to the cores per rank\n",
               bound[0], groups_.world->size(), machine, omp_get_max_threads());
+  std::fflush(stdout);
+}
+
+std::string residual_growth_warning(int64_t step, double residual_std, int64_t first_step, double first) {
+  const bool finite = std::isfinite(residual_std);
+  if (finite && !(residual_std > kResidualGrowthWarning * first)) return "";
+  char spread[128], line[512];
+  if (finite)
+    std::snprintf(spread, sizeof spread, "%.3g, %.2g times its value at step %lld (%.3g)", residual_std,
+                  residual_std / first, (long long)first_step, first);
+  else
+    std::snprintf(spread, sizeof spread, "not finite (%.3g at step %lld)", first, (long long)first_step);
+  std::snprintf(line, sizeof line,
+                "warning: step %lld: residual_std %s: the residual stream is growing without bound, the growth "
+                "that precedes a collapse to unigram-level loss (docs/DESIGN.md, \"Training stability\"); a "
+                "longer warm-up or a lower learning rate avoids it",
+                (long long)step, spread);
+  return line;
+}
+
+void Trainer::watch_residual(int64_t step, double residual_std) {
+  if (first_residual_step_ == 0) {
+    first_residual_step_ = step;
+    first_residual_std_ = residual_std;
+    return;
+  }
+  if (residual_warned_ || !leader()) return;
+  const std::string warning = residual_growth_warning(step, residual_std, first_residual_step_, first_residual_std_);
+  if (warning.empty()) return;
+  residual_warned_ = true;
+  std::printf("%s\n", warning.c_str());
   std::fflush(stdout);
 }
 

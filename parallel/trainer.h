@@ -6,6 +6,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "core/config.h"
 #include "core/token_file.h"
@@ -19,6 +20,13 @@ namespace moeut {
 // split of a batch across micro-batches or processes reads the same tokens.
 void sample_batch(const TokenFile& data, uint64_t seed, int64_t step, int64_t first, int64_t count,
                   int64_t context, int32_t* out);
+
+// The residual stream's spread (LossParts::residual_std) grows without bound before a run
+// collapses to unigram level (docs/DESIGN.md, "Training stability"): the warning for a step whose
+// spread is not finite or has grown kResidualGrowthWarning times past `first` (the first step the
+// run trained), or "" when it has not. Runs that recovered grew less than that.
+inline constexpr double kResidualGrowthWarning = 1e6;
+std::string residual_growth_warning(int64_t step, double residual_std, int64_t first_step, double first);
 
 // Sum of the cross-entropy over the predictions of B windows of context + 1 tokens.
 using CrossEntropySum = std::function<double(const int32_t* tokens, int64_t B)>;
@@ -74,6 +82,8 @@ class Trainer {
   // the median of the steps' before it (up to 20, once 10 are known), logs each tensor's
   // gradient norm (a collective: every rank decides alike, from the same global norms).
   void watch_gradient_norm(int64_t step, double grad_norm);
+  // Rank 0 prints residual_growth_warning once, the first time it is not empty.
+  void watch_residual(int64_t step, double residual_std);
   // Rank 0 warns when ranks are bound to one CPU of a machine that has more (a collective).
   void warn_if_bound_to_one_cpu();
   double validation_loss(int64_t max_windows);
@@ -88,6 +98,9 @@ class Trainer {
   std::vector<double> losses_;
   std::vector<double> recent_norms_;  // the last steps' gradient norms, for watch_gradient_norm
   int64_t start_step_ = 0;
+  int64_t first_residual_step_ = 0;  // for watch_residual: the first step trained, and its spread
+  double first_residual_std_ = 0;
+  bool residual_warned_ = false;
   bool stopping_ = false;
   std::function<void(int64_t)> after_step_;
 };

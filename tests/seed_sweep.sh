@@ -12,10 +12,11 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 rm -rf "$work" && mkdir -p "$work/bin/launch" "$work/path" "$work/data"
 fail() { echo "FAIL: $*"; exit 1; }
 touch "$work/data/train.bin" "$work/data/val.bin"
-printf '#!/bin/sh\necho "GPU 0: stand-in"\necho "GPU 1: stand-in"\n' > "$work/path/nvidia-smi"
+printf '#!/bin/sh\ncase "$*" in *--query-gpu=index*) printf "0\\n1\\n" ;; *) echo "GPU 0: stand-in"; echo "GPU 1: stand-in" ;; esac\n' > "$work/path/nvidia-smi"
 # The stand-in trainer: seed 1 trains, 2 collapses after step 20 as its residual spreads (until
 # it overflows: null), 3 stops at step 30 without a final validation, 4 trains but ends above the
-# bound. It records its GPU and arguments.
+# bound, 6 collapses early: its loss stays flat while its residual grows ten times a step. It
+# records its GPU and arguments.
 cat > "$work/bin/launch/moeut-train" <<'SH'
 #!/bin/sh
 seed=0 metrics= all="$*"
@@ -26,13 +27,14 @@ done
 echo "gpu $CUDA_VISIBLE_DEVICES args $all" >> "$(dirname "$metrics")/../../calls.txt"
 : > "$metrics"
 for s in $(seq 1 60); do
-  loss=$(awk -v s="$s" -v seed="$seed" 'BEGIN { l = 9 - s / 10; if (seed == 2 && s > 20) l = 7 + (s - 20) / 20; printf "%.3f", l }')
-  std=$(awk -v s="$s" -v seed="$seed" 'BEGIN { x = 1; if (seed == 2 && s > 20) x = s; printf "%g", x }')
+  loss=$(awk -v s="$s" -v seed="$seed" 'BEGIN { l = 9 - s / 10; if (seed == 2 && s > 20) l = 7 + (s - 20) / 20;
+    if (seed == 6 && s > 20) l = 7; printf "%.3f", l }')
+  std=$(awk -v s="$s" -v seed="$seed" 'BEGIN { x = 1; if (seed == 2 && s > 20) x = s; if (seed == 6) x = 10 ^ (s / 5); printf "%g", x }')
   [ "$seed" = 2 ] && [ "$s" = 59 ] && std=null
   echo "{\"step\": $s, \"loss\": $loss, \"grad_norm\": 1.5, \"residual_std\": $std}" >> "$metrics"
   [ "$seed" = 3 ] && [ "$s" = 30 ] && { echo "step 30: loss is not finite"; exit 1; }
 done
-val=4.6; [ "$seed" = 2 ] && val=6.7; [ "$seed" = 4 ] && val=4.8
+val=4.6; [ "$seed" = 2 ] || [ "$seed" = 6 ] && val=6.7; [ "$seed" = 4 ] && val=4.8
 echo "{\"step\": 60, \"val_loss\": $val, \"val_ppl\": 100, \"final\": true}" >> "$metrics"
 SH
 chmod +x "$work/bin/launch/moeut-train" "$work/path/nvidia-smi"
@@ -60,6 +62,11 @@ tar -tzf "$work/out/mixed.tgz" > "$work/packed.txt"
 grep -q "mixed/seed3.log" "$work/packed.txt" || fail "logs not packed"
 [ ! -d "$work/out/mixed" ] || fail "the packed folder was left"
 
+# An early collapse is told by the residual's growth; GPUS picks the GPUs.
+OUT="$work/out" SEEDS="6" GPUS="1" "$root/launch/gpu-seed-sweep.sh" early > /dev/null 2>&1 && fail "an early collapse passed"
+grep -qE "^ +6 .*collapsed \(residual_std grew 6.3e\+11 times by step 60\)" "$work/out/early.txt" ||
+  fail "early collapse: $(cat "$work/out/early.txt")"
+[ "$(tail -1 "$work/calls.txt" | cut -d' ' -f2)" = 1 ] || fail "GPUS=1 ran on GPU $(tail -1 "$work/calls.txt" | cut -d' ' -f2)"
 OUT="$work/out" SEEDS="1 5" LR=2e-3 "$root/launch/gpu-seed-sweep.sh" good > /dev/null 2>&1 || fail "a sweep of trained seeds failed"
 grep -q -- "--lr 2e-3" "$work/calls.txt" || fail "LR did not reach the runs"
 grep -q "^2 of 2 trained; final validation median 4.6000" "$work/out/good.txt" || fail "good sweep: $(cat "$work/out/good.txt")"
@@ -68,4 +75,5 @@ status=0
 out=$(OUT="$work/check" SEEDS="1 2" PARTS=seeds "$root/launch/dev/gpu-check.sh" 2>&1) || status=$?
 [ "$status" = 1 ] || fail "gpu-check seeds: exit status $status with a diverged seed ($out)"
 grep -q "^1 of 2 trained" "$work/check/seeds.txt" || fail "gpu-check seeds: no verdicts ($out)"
+[ "$(tail -2 "$work/calls.txt" | grep -c -- "--warmup_steps 200 ")" = 2 ] || fail "gpu-check seeds: not warm-up 200"
 echo "seed sweep script: ok"

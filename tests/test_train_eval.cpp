@@ -3,7 +3,9 @@
 // training's final validation loss.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
+#include <limits>
 
 #include "checkpoints/weights_file.h"
 #include "core/rng.h"
@@ -93,6 +95,18 @@ TEST(Training, RefusesMissingData) {
   c.train.val_data = "/no/such/val.bin";
   const ProcessGroups g = ProcessGroups::single();
   EXPECT_THROW((Trainer{c, g}), DataError);
+}
+
+TEST(Training, WarnsWhenTheResidualGrowsPastTheBoundOrOverflows) {
+  const double first = 0.037;
+  EXPECT_EQ(residual_growth_warning(40, 2e4, 1, first), "");  // a recovering run's peak
+  EXPECT_EQ(residual_growth_warning(40, first * kResidualGrowthWarning, 1, first), "");
+  const std::string grown = residual_growth_warning(60, first * kResidualGrowthWarning * 2, 1, first);
+  EXPECT_NE(grown.find("step 60: residual_std 7.4e+04, 2e+06 times its value at step 1 (0.037)"), std::string::npos)
+      << grown;
+  const std::string overflow = residual_growth_warning(61, std::numeric_limits<double>::infinity(), 1, first);
+  EXPECT_NE(overflow.find("residual_std not finite (0.037 at step 1)"), std::string::npos) << overflow;
+  EXPECT_NE(residual_growth_warning(62, std::nan(""), 1, first), "");
 }
 
 }  // namespace
