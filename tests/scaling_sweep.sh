@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # launch/moeut-scaling on CPU ranks: a weak-scaling sweep of the small model over 1 and 2 ranks at
 # every ep gives a CSV and a table with every point ok (the one-rank point at efficiency 1), and
-# two PNG plots; the projection from the 4-H100 measurements holds each within 10%; an unknown key in
+# two PNG plots; a GPU point's memory is read from its log; the projection from the 4-H100 measurements holds each within 10%; an unknown key in
 # a sweep file is refused, naming it.
 # Usage: scaling_sweep.sh BIN_DIR WORK_DIR (the sweep launches with the mpirun on PATH)
 set -euo pipefail
@@ -42,6 +42,11 @@ if "$python" -c "import matplotlib" 2> /dev/null; then
 else
   echo "skipped: the plots (no matplotlib for $python)"
 fi
+# A GPU point's memory comes from its rank 0's start-up line: one point's log given that line.
+echo "GPU memory on rank 0: weights 0.01 | total 0.10 GiB (the device reports 1.25 GiB in use)" >> "$work/out/np2_ep2/log.txt"
+"$python" "$root/launch/moeut-scaling" --plot "$work/out" > /dev/null 2>&1 || fail "--plot failed"
+grep -q "^2,2,1,4,2,6,.*,1.25,.*,ok$" "$work/out/points.csv" || fail "GPU memory: $(cat "$work/out/points.csv")"
+grep -q "| 1.2 GiB |" "$work/out/table.md" || fail "GPU memory in table.md: $(cat "$work/out/table.md")"
 # The projection from the 1B measurements on 4 H100 (docs/SCALING.md): every measured point within
 # 10% of its projection, and the projected layouts written.
 mkdir -p "$work/h100"
