@@ -1,5 +1,5 @@
 # Sourced by the CLI tests: a small corpus made into token files, the small model's options,
-# and the step losses of a metrics file.
+# the step losses of a metrics file, and the Python that draws plots.
 
 # tiny_text FILE: 2000 deterministic sentences over a 16-word vocabulary, with some order to learn.
 tiny_text() {
@@ -22,3 +22,10 @@ small_model=(--config "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/configs/
 
 # losses METRICS: "step loss" of each training step.
 losses() { sed -n 's/^{"step": \([0-9]*\), "loss": \([^,]*\),.*/\1 \2/p' "$1"; }
+
+# The interpreter with matplotlib (Debian's python3-matplotlib), else the first python3.
+python=python3
+for p in /usr/bin/python3 python3; do "$p" -c "import matplotlib" 2> /dev/null && { python=$p; break; }; done
+
+# is_png FILE: the file starts with PNG's signature.
+is_png() { [ "$(head -c 8 "$1" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ]; }

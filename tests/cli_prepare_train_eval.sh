@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The executables as a user chains them: prepare data from text, train, evaluate the exported
-# weights; the evaluation must print the training's final validation loss again. Also checks
-# that bad data input is refused with a message naming the file.
+# weights; the evaluation must print the training's final validation loss again; plot the
+# metrics. Also checks that bad data input is refused with a message naming the file.
 # Usage: cli_prepare_train_eval.sh BIN_DIR WORK_DIR
 set -euo pipefail
 bin=$1 work=$2
+root=$(cd "$(dirname "$0")/.." && pwd)
 rm -rf "$work" && mkdir -p "$work"
 
 . "$(dirname "$0")/cli_common.sh"
@@ -57,4 +58,18 @@ printed = sum(line.startswith("gradient norm jump at step") for line in open(sys
 assert printed == len(expected), f"{printed} lines printed for {len(expected)} jumps"
 print(f"gradient jumps reported at steps {sorted(reported)}")
 PY
+# launch/moeut-plot draws both runs' metrics; a missing file is refused, named.
+if "$python" -c "import matplotlib" 2> /dev/null; then
+  "$python" "$root/launch/moeut-plot" "$work/metrics.jsonl" "$work/jumps.jsonl" --labels short jumps \
+    --out "$work/plots" > "$work/plot.txt" || { echo "FAIL: moeut-plot"; cat "$work/plot.txt"; exit 1; }
+  for png in loss optimizer throughput residual; do
+    is_png "$work/plots/$png.png" || { echo "FAIL: $png.png is not a PNG"; exit 1; }
+  done
+else
+  echo "skipped: the plots (no matplotlib for $python)"
+fi
+if "$python" "$root/launch/moeut-plot" "$work/none.jsonl" --out "$work/plots" 2> "$work/err.txt"; then
+  echo "FAIL: moeut-plot accepted a missing metrics file"; exit 1
+fi
+grep -q "none.jsonl: no such file" "$work/err.txt" || { echo "FAIL: unclear error:"; cat "$work/err.txt"; exit 1; }
 echo "PASS: validation loss $trained reproduced by moeut-eval"

@@ -11,9 +11,6 @@ rm -rf "$work" && mkdir -p "$work"
 fail() { echo "FAIL: $*"; exit 1; }
 . "$(dirname "$0")/cli_common.sh"
 tiny_corpus "$bin" "$work"
-# The interpreter with matplotlib (Debian's python3-matplotlib), else the first python3.
-python=python3
-for p in /usr/bin/python3 python3; do "$p" -c "import matplotlib" 2> /dev/null && { python=$p; break; }; done
 
 cat > "$work/tiny.sweep" <<SWEEP
 profile = ${small_model[1]}
@@ -37,7 +34,7 @@ grep -q "^1,1,1,2,2,6,.*,1,.*,ok$" "$work/out/points.csv" || fail "one-rank poin
 grep -q "^| 2 | 2 | 1 | 4 | " "$work/out/table.md" || fail "table.md: $(cat "$work/out/table.md")"
 if "$python" -c "import matplotlib" 2> /dev/null; then
   for png in scaling loss; do
-    [ "$(head -c 8 "$work/out/$png.png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ] || fail "$png.png is not a PNG"
+    is_png "$work/out/$png.png" || fail "$png.png is not a PNG"
   done
 else
   echo "skipped: the plots (no matplotlib for $python)"
