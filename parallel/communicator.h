@@ -87,12 +87,21 @@ class SelfCommunicator final : public Communicator {
   std::string name_;
 };
 
+// Where a rank sits among the ranks of its machine, which share the machine's GPUs: its index
+// among them (in world-rank order), their number, and the world rank of the first of them, which
+// names the machine.
+struct NodePlace {
+  int rank = 0, ranks = 1, first = 0;
+};
+
 // The groups a run needs, created once at start-up. world: every rank (replicated parameters
 // are synchronised over it). expert_parallel: the `ep` consecutive ranks that together hold all
 // FFN experts and exchange tokens. expert_data_parallel: the ranks holding the same experts
-// (rank % ep equal), over which expert gradients are synchronised.
+// (rank % ep equal), over which expert gradients are synchronised. node: this rank's place on
+// its machine, by which a GPU rank picks its GPU.
 struct ProcessGroups {
   std::unique_ptr<Communicator> world, expert_parallel, expert_data_parallel;
+  NodePlace node;
 
   int ep() const { return expert_parallel->size(); }
   int dp() const { return world->size(); }  // data-parallel degree of replicated parameters

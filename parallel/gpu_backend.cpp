@@ -1,8 +1,7 @@
-#include <mpi.h>
-
 #include <algorithm>
-#include <array>
 #include <cstdio>
+#include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -11,7 +10,6 @@
 #include "kernels/cuda_check.h"
 #include "parallel/gpu_all_to_all_dispatcher.h"
 #include "parallel/gpu_sharded_optimizer.h"
-#include "parallel/mpi_communicator.h"
 #include "parallel/nccl_communicator.h"
 
 namespace moeut {
@@ -20,50 +18,49 @@ namespace {
 // One GPU per rank. A rank that sees as many GPUs as its node has ranks or more (the scheduler
 // shows every rank all of them) takes the one of its index among the node's ranks; a rank that
 // sees exactly one (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per rank) takes that
-// one. The node's ranks then compare their GPUs' UUIDs: two ranks on one GPU are refused. Every
-// rank learns the outcome before any starts work, so all refuse together.
+// one. The ranks of a node then compare their GPUs' UUIDs: two ranks on one GPU are refused. Every
+// rank learns every rank's outcome (one all-gather over the world) before any starts work, so all
+// refuse together.
 void select_local_gpu(const ProcessGroups& groups) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
-  auto* world = dynamic_cast<MpiCommunicator*>(groups.world.get());
-  if (!world) {
-    MOEUT_CUDA_CHECK(cudaSetDevice(0));
-    return;
-  }
-  MPI_Comm node = MPI_COMM_NULL;
-  if (MPI_Comm_split_type(world->comm(), MPI_COMM_TYPE_SHARED, world->rank(), MPI_INFO_NULL, &node) != MPI_SUCCESS)
-    throw CommError("MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) failed on rank " + std::to_string(world->rank()));
-  int local_rank = 0, local_ranks = 1;
-  MPI_Comm_rank(node, &local_rank);
-  MPI_Comm_size(node, &local_ranks);
-  const int device = devices >= local_ranks ? local_rank : devices == 1 ? 0 : -1;
-  // This rank's GPU UUID, all zeros when it has none; gathered over the node.
-  std::array<char, 16> uuid{};
+  const NodePlace& node = groups.node;
+  const int device = devices >= node.ranks ? node.rank : devices == 1 ? 0 : -1;
+  // What each rank sees, as int32 words: its node (first rank and size), its GPU count, the GPU
+  // it takes (-1: none) and that GPU's UUID (zeros when none).
+  enum Field { kNode, kNodeRanks, kDevices, kDevice, kUuid, kFields = kUuid + 4 };
+  static_assert(sizeof(cudaUUID_t) == 4 * sizeof(int32_t), "a UUID is four words");
+  Communicator& world = *groups.world;
+  std::vector<int32_t> seen(size_t(kFields) * size_t(world.size()), 0);
+  const auto of = [&](int r) { return seen.data() + ptrdiff_t(kFields) * r; };
+  int32_t* mine = of(world.rank());
+  mine[kNode] = node.first, mine[kNodeRanks] = node.ranks, mine[kDevices] = devices, mine[kDevice] = device;
   if (device >= 0) {
     cudaDeviceProp prop{};
     MOEUT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-    std::copy_n(prop.uuid.bytes, uuid.size(), uuid.begin());
+    std::memcpy(mine + kUuid, &prop.uuid, sizeof prop.uuid);
   }
-  std::vector<char> uuids(uuid.size() * size_t(local_ranks));
-  const int gathered = MPI_Allgather(uuid.data(), int(uuid.size()), MPI_CHAR, uuids.data(), int(uuid.size()), MPI_CHAR, node);
-  MPI_Comm_free(&node);
-  if (gathered != MPI_SUCCESS) throw CommError("MPI_Allgather of the GPU UUIDs failed on rank " + std::to_string(world->rank()));
-  int problem = 0;  // 1: no GPU of its own, 2: a GPU that a lower local rank also has
-  if (device < 0) problem = 1;
-  for (int r = 0; r < local_rank && problem == 0; ++r)
-    if (std::equal(uuid.begin(), uuid.end(), uuids.begin() + ptrdiff_t(r) * ptrdiff_t(uuid.size()))) problem = 2;
-  int worst = problem;
-  if (MPI_Allreduce(&problem, &worst, 1, MPI_INT, MPI_MAX, world->comm()) != MPI_SUCCESS)
-    throw CommError("MPI_Allreduce of the GPU check failed on rank " + std::to_string(world->rank()));
-  if (worst == 1)
+  world.all_gather_v(std::span<int32_t>(seen), std::vector<int64_t>(size_t(world.size()), kFields));
+  // The first rank with no GPU of its own, and the first with a GPU that a lower rank of its node has.
+  int without = -1, shared = -1;
+  for (int r = 0; r < world.size(); ++r) {
+    if (of(r)[kDevice] < 0) {
+      if (without < 0) without = r;
+      continue;
+    }
+    for (int q = 0; q < r && shared < 0; ++q)
+      if (of(q)[kNode] == of(r)[kNode] && std::equal(of(r) + kUuid, of(r) + kFields, of(q) + kUuid)) shared = r;
+  }
+  if (shared >= 0)
+    throw ConfigError("invalid configuration: device: two ranks of one node were given the same GPU (rank " +
+                      std::to_string(shared) + " and a lower one); GPU ranks need one GPU each (check "
+                      "CUDA_VISIBLE_DEVICES or the scheduler's GPU binding)");
+  if (without >= 0)
     throw ConfigError("invalid configuration: device: a rank sees neither one GPU nor as many as its node has ranks "
-                      "(rank " + std::to_string(world->rank()) + " sees " + std::to_string(devices) + " on a node of " +
-                      std::to_string(local_ranks) + " ranks); GPU ranks need one GPU each: show each rank all of the "
-                      "node's GPUs (at most as many ranks as GPUs) or exactly one of its own (srun --gpus-per-task=1, "
-                      "CUDA_VISIBLE_DEVICES per rank)");
-  if (worst == 2)
-    throw ConfigError("invalid configuration: device: two ranks of one node were given the same GPU; GPU ranks need one "
-                      "GPU each (check CUDA_VISIBLE_DEVICES or the scheduler's GPU binding)");
+                      "(rank " + std::to_string(without) + " sees " + std::to_string(of(without)[kDevices]) +
+                      " on a node of " + std::to_string(of(without)[kNodeRanks]) + " ranks); GPU ranks need one GPU "
+                      "each: show each rank all of the node's GPUs (at most as many ranks as GPUs) or exactly one of "
+                      "its own (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank)");
   MOEUT_CUDA_CHECK(cudaSetDevice(device));
 }
 
@@ -130,12 +127,7 @@ class GpuBackend final : public TrainingBackend {
   OptimizerShard optimizer_shard() override { return optimizer_->shard(); }
   void load_optimizer_shard(const OptimizerShard& s) override { optimizer_->load(s, model_.working()); }
   int64_t dispatch_bytes() const override { return model_.dispatch_bytes(); }
-  double take_communication_seconds() override {
-    double s = 0;
-    for (Communicator* c : {groups_.world.get(), groups_.expert_parallel.get(), groups_.expert_data_parallel.get()})
-      if (auto* nccl = dynamic_cast<NcclCommunicator*>(c)) s += nccl->take_seconds();
-    return s;
-  }
+  double take_communication_seconds() override { return groups_.take_seconds(); }
 
  private:
   // The rank's GPU, chosen before anything touches it, and the stream all its work runs on;
@@ -157,7 +149,7 @@ class GpuBackend final : public TrainingBackend {
 
   Stream stream_;
   int64_t micro_;
-  ProcessGroups groups_;  // device communicators, ordered on stream_
+  NcclProcessGroups groups_;  // device communicators, ordered on stream_
   GpuModel model_;
   std::string memory_;  // see memory_plan()
   std::unique_ptr<GpuShardedAdamW> optimizer_;

@@ -101,25 +101,35 @@ void MpiCommunicator::all_gather_v(std::span<uint16_t> data, std::span<const int
 
 ProcessGroups mpi_process_groups(MPI_Comm base, int ep) {
   int rank = 0, size = 1;
-  MPI_Comm_rank(base, &rank);
-  MPI_Comm_size(base, &size);
+  auto check = [&](int rc, const std::string& op) {
+    if (rc != MPI_SUCCESS)
+      throw CommError(op + " failed on rank " + std::to_string(rank) + " while creating the process groups");
+  };
+  check(MPI_Comm_rank(base, &rank), "MPI_Comm_rank");
+  check(MPI_Comm_size(base, &size), "MPI_Comm_size");
   if (ep < 1 || size % ep != 0)
     throw std::invalid_argument("--ep " + std::to_string(ep) + " must divide the number of ranks (" +
                                 std::to_string(size) + ")");
   auto split = [&](int color, const char* name) {
     MPI_Comm comm = MPI_COMM_NULL;
-    if (MPI_Comm_split(base, color, rank, &comm) != MPI_SUCCESS)
-      throw CommError(std::string("MPI_Comm_split failed on rank ") + std::to_string(rank) + " creating group '" +
-                      name + "'");
+    check(MPI_Comm_split(base, color, rank, &comm), std::string("MPI_Comm_split of group '") + name + "'");
     return std::make_unique<MpiCommunicator>(comm, name);
   };
   ProcessGroups g;
   MPI_Comm world = MPI_COMM_NULL;
-  if (MPI_Comm_dup(base, &world) != MPI_SUCCESS)
-    throw CommError("MPI_Comm_dup failed on rank " + std::to_string(rank) + " creating group 'world'");
+  check(MPI_Comm_dup(base, &world), "MPI_Comm_dup of group 'world'");
   g.world = std::make_unique<MpiCommunicator>(world, "world");
   g.expert_parallel = split(rank / ep, "expert-parallel");
   g.expert_data_parallel = split(rank % ep, "expert-data-parallel");
+  // The machine's ranks, in world-rank order; only this rank's place among them is kept.
+  MPI_Comm shared = MPI_COMM_NULL;
+  check(MPI_Comm_split_type(base, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shared),
+        "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) of group 'node'");
+  MpiCommunicator node(shared, "node");
+  std::vector<int32_t> world_ranks(size_t(node.size()), 0);
+  world_ranks[size_t(node.rank())] = rank;
+  node.all_gather_v(std::span<int32_t>(world_ranks), std::vector<int64_t>(world_ranks.size(), 1));
+  g.node = {.rank = node.rank(), .ranks = node.size(), .first = world_ranks[0]};
   return g;
 }
 

@@ -1,15 +1,25 @@
 #include "parallel/nccl_communicator.h"
 
+#include <array>
+#include <cstring>
+
 #include "kernels/cuda_check.h"
 
 namespace moeut {
 
-NcclCommunicator::NcclCommunicator(MpiCommunicator& group, cudaStream_t caller) : host_(group), caller_(caller) {
+NcclCommunicator::NcclCommunicator(Communicator& host, cudaStream_t caller) : host_(host), caller_(caller) {
+  // Rank 0's unique id to every rank of the group: an all-gather in which rank 0 alone holds data.
+  static_assert(sizeof(ncclUniqueId) % sizeof(int32_t) == 0, "the unique id travels as int32 words");
   ncclUniqueId id{};
-  if (rank() == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
-  if (MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, group.comm()) != MPI_SUCCESS)
-    throw CommError("MPI_Bcast of the NCCL unique id failed on rank " + std::to_string(rank()) + " of group '" +
-                    name() + "'");
+  std::array<int32_t, sizeof id / sizeof(int32_t)> words{};
+  if (rank() == 0) {
+    check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    std::memcpy(words.data(), &id, sizeof id);
+  }
+  std::vector<int64_t> counts(size_t(size()), 0);
+  counts[0] = int64_t(words.size());
+  host_.all_gather_v(std::span<int32_t>(words), counts);
+  std::memcpy(&id, words.data(), sizeof id);
   check(ncclCommInitRank(&comm_, size(), id, rank()), "ncclCommInitRank");
   MOEUT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   MOEUT_CUDA_CHECK(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming));
@@ -152,17 +162,24 @@ void NcclCommunicator::all_gather_v(std::span<uint16_t> data, std::span<const in
   all_gather_v(data.data(), counts, ncclBfloat16, sizeof(uint16_t), "ncclBroadcast (all-gather, bf16)");
 }
 
-ProcessGroups nccl_process_groups(const ProcessGroups& host, cudaStream_t caller) {
+double NcclProcessGroups::take_seconds() {
+  double seconds = 0;
+  for (NcclCommunicator* c : nccl) seconds += c->take_seconds();
+  return seconds;
+}
+
+NcclProcessGroups nccl_process_groups(const ProcessGroups& host, cudaStream_t caller) {
+  NcclProcessGroups g;
   auto device = [&](Communicator& c) -> std::unique_ptr<Communicator> {
     if (c.size() == 1) return std::make_unique<SelfCommunicator>(c.name());
-    auto* mpi = dynamic_cast<MpiCommunicator*>(&c);
-    if (!mpi) throw CommError("group '" + c.name() + "' has " + std::to_string(c.size()) + " ranks but is not an MPI group");
-    return std::make_unique<NcclCommunicator>(*mpi, caller);
+    auto nccl = std::make_unique<NcclCommunicator>(c, caller);
+    g.nccl.push_back(nccl.get());
+    return nccl;
   };
-  ProcessGroups g;
   g.world = device(*host.world);
   g.expert_parallel = device(*host.expert_parallel);
   g.expert_data_parallel = device(*host.expert_data_parallel);
+  g.node = host.node;
   return g;
 }
 

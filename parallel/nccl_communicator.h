@@ -3,20 +3,21 @@
 // data-parallel traffic never share either. A call makes the group's stream wait for the work
 // queued so far on the caller's stream, and the caller's stream wait for the collective: to the
 // caller it reads as a call in stream order, and the host does not block. The exception is
-// all_to_all of counts, which is host data and goes over the group's MPI communicator.
+// all_to_all of counts, which is host data and goes over the same ranks' host group (MPI).
 #pragma once
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include "parallel/mpi_communicator.h"
+#include "parallel/communicator.h"
 
 namespace moeut {
 
 class NcclCommunicator final : public Communicator {
  public:
-  // A collective over `group`: rank 0's NCCL unique id is broadcast over MPI. `caller` is the
-  // stream this group's calls are ordered against.
-  NcclCommunicator(MpiCommunicator& group, cudaStream_t caller);
+  // A collective over the ranks of `host`, a host group (MPI, which must outlive it): rank 0's
+  // NCCL unique id is shared over it. `caller` is the stream this group's calls are ordered
+  // against.
+  NcclCommunicator(Communicator& host, cudaStream_t caller);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -49,15 +50,23 @@ class NcclCommunicator final : public Communicator {
                     ncclDataType_t type, size_t bytes, const char* op);
   void all_gather_v(void* data, std::span<const int64_t> counts, ncclDataType_t type, size_t bytes, const char* op);
 
-  MpiCommunicator& host_;
+  Communicator& host_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t caller_, stream_ = nullptr;
   cudaEvent_t queued_ = nullptr, done_ = nullptr;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> timed_, spare_;  // (start, end) of each call
 };
 
+// The device groups of a GPU rank: ProcessGroups whose communicators are NCCL's, and those NCCL
+// communicators by type, for the device time of their collectives.
+struct NcclProcessGroups : ProcessGroups {
+  std::vector<NcclCommunicator*> nccl;  // the groups of several ranks (a group of one has no NCCL)
+  // Seconds their collectives ran on the device since the last call (waits for them).
+  double take_seconds();
+};
+
 // Device communicators for the groups of `host` (MPI groups, which must outlive them): NCCL for
-// groups of several ranks, SelfCommunicator for a group of one.
-ProcessGroups nccl_process_groups(const ProcessGroups& host, cudaStream_t caller);
+// groups of several ranks, SelfCommunicator for a group of one; the same node place.
+NcclProcessGroups nccl_process_groups(const ProcessGroups& host, cudaStream_t caller);
 
 }  // namespace moeut

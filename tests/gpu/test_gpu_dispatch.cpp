@@ -63,7 +63,7 @@ void check_dispatch(Routing routing) {
   cudaStream_t stream;
   MOEUT_CUDA_CHECK(cudaStreamCreate(&stream));
   {
-    const ProcessGroups device = nccl_process_groups(host, stream);
+    const NcclProcessGroups device = nccl_process_groups(host, stream);
     GpuAllToAllDispatcher dispatcher(*device.expert_parallel, E, 64, d, k, stream);
     const ExpertShard shard0 = expert_shard(E, ranks, 0), mine = expert_shard(E, ranks, me);
     Rng rng(uint64_t(17 + me));

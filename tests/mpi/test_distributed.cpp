@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -164,6 +165,22 @@ TEST(ShardedOptimizer, StateFallsAsOneOverTheDataParallelDegree) {
       std::printf("dp %d: optimizer state %lld bytes per rank (%.3f of one process)\n", dp,
                   (long long)opt.state_bytes(), double(opt.state_bytes()) / double(full_bytes));
   }
+}
+
+TEST(ProcessGroups, NodePlaceIsTheRanksOfThisMachineInWorldOrder) {
+  // mpirun starts every rank on this machine: each rank's place is its world rank among all. A
+  // group carved out of the world counts the machine's ranks of that group alone.
+  const ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, g_ep);
+  EXPECT_EQ(groups.node.rank, world_rank());
+  EXPECT_EQ(groups.node.ranks, world_size());
+  EXPECT_EQ(groups.node.first, 0);
+  MPI_Comm pair;
+  ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, world_rank() / 2, world_rank(), &pair), MPI_SUCCESS);
+  const ProcessGroups in_pair = mpi_process_groups(pair, 1);
+  MPI_Comm_free(&pair);
+  EXPECT_EQ(in_pair.node.rank, world_rank() % 2);
+  EXPECT_EQ(in_pair.node.ranks, std::min(2, world_size()));
+  EXPECT_EQ(in_pair.node.first, 0);
 }
 
 TEST(ShardedOptimizer, TensorGradientNormsSumOverTheRanksToTheGlobalNorm) {
