@@ -6,8 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <iterator>
-#include <vector>
 
 #include "kernels/cvmm.h"
 #include "kernels/device_buffer.h"
@@ -46,7 +44,7 @@ struct CvmmPlan {
   bool in_by_position = false, out_by_position = false;
   int64_t positions = 0;
   // The counters by which the scatter kernel's blocks share tail tiles and the gather kernel's
-  // take tile pairs (kernels/cvmm_scatter.cu, cvmm_gather.cu), zero between launches: one scatter or gather on a plan at
+  // take tile pairs (kernels/cvmm_scatter.cuh, cvmm_gather.cu), zero between launches: one scatter or gather on a plan at
   // a time.
   uint32_t* tail_counters = nullptr;  // [kCvmmTailCounters + 1]
 };
@@ -96,32 +94,10 @@ struct CvmmRowsArgs {
   // Stored (bf16) outputs only: kApply stores max(0, ·) (the FFN's hidden units); kMaskByDotRows
   // stores 0 where dot_rows <= 0 (the gradient through that ReLU, dot_rows being its output).
   enum class Relu { kNone, kApply, kMaskByDotRows } relu = Relu::kNone;
-  // The scatter kernel's phase clock, set by cvmm_scatter_phase_cycles only (null in training).
-  unsigned long long* phase_cycles = nullptr;
 };
 void cvmm_rows(const CvmmPlan& plan, const CvmmRowsArgs& a, cudaStream_t stream);
-// The phases of a scatter-kernel item, as phase_cycles holds them: the multiplying warps' seven
-// in the order they run, then the adding warps' two, then the items and the rows they added, and
-// the multiprocessor the block ran on.
-enum ScatterPhase { kWaitOperands, kLookups, kProductsDone, kWaitTileEmpty, kTileWritten, kLoadsIssued, kDweight,
-                    kWaitTileFull, kAdditions, kItems, kRows, kSm };
-inline constexpr const char* kScatterPhaseNames[] = {
-    "multiplying: wait for the operands", "multiplying: lookups", "multiplying: products",
-    "multiplying: wait for the tile buffer", "multiplying: tile into the buffer", "multiplying: loads issued",
-    "multiplying: routing-weight gradient", "adding: wait for a tile", "adding: additions", "items", "rows", "multiprocessor"};
-inline constexpr int kScatterPhases = int(std::size(kScatterPhaseNames));
-static_assert(kScatterPhases == kSm + 1, "a name for every phase");
 // Whether cvmm_rows runs these arguments on the scatter kernel.
 bool cvmm_on_scatter_kernel(const CvmmRowsArgs& a);
-// The scatter kernel's phase clock (moeut-bench-cvmm --phases): runs the product of `a` (one that
-// cvmm_on_scatter_kernel takes) once, each block summing the clock cycles of every phase of its
-// items and counting them: cycles[block · kScatterPhases + phase], a block per multiprocessor,
-// and the run's time (events around the launch alone).
-struct ScatterPhaseClock {
-  std::vector<unsigned long long> cycles;
-  float ms = 0;
-};
-ScatterPhaseClock cvmm_scatter_phase_cycles(const CvmmPlan& plan, CvmmRowsArgs a, cudaStream_t stream);
 
 // Each selection's product kept in a row of its own: a plan whose output row is the selection's
 // index, for cvmm_rows's stored outputs. The attention's value experts keep their rows so (two
@@ -185,13 +161,6 @@ struct CvmmPlanBuffers {
            live_tiles.bytes() + pair_tile.bytes() + live_pairs.bytes() + chunk_first_tile.bytes() +
            expert_begin.bytes() + tail_counters.bytes();
   }
-};
-
-// Device copies of a grouped CvmmSelection built on the host (tests, benchmarks). The tokens,
-// which the chunks of the tile list divide, are the rows of the product's side with fewer: a
-// token's rows on one side, its selections' or its groups' on the other (CvmmRoute).
-struct DeviceCvmmPlan : CvmmPlanBuffers {
-  explicit DeviceCvmmPlan(const CvmmSelection& sel, int64_t tokens_per_chunk = kCvmmChunkTokens);
 };
 
 // How the selections of a routing decision map to rows. Selection i = (t·groups + g)·k + j of

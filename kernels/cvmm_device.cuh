@@ -172,6 +172,9 @@ __device__ __forceinline__ void routing_weight_grad(const CvmmRowsArgs& a, Chunk
   }
 }
 
+// A plan's tail counters (CvmmPlan::tail_counters), zeroed as every plan starts (cvmm_plan.cu).
+DeviceBuffer<uint32_t> zeroed_tail_counters();
+
 // The persistent kernels' launches (cvmm_scatter.cu, cvmm_gather.cu), which cvmm_rows picks
 // (cvmm_rows.cu).
 template <bool kTransW>

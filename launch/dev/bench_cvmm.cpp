@@ -4,7 +4,7 @@
 // run, and the FFN backward's products on two streams as the model runs them. Usage:
 // moeut-bench-cvmm [TOKENS [REPS]] [--phases] [--stride-routing]; REPS 1 runs each product once
 // with no warm-up (for a profiler); --phases adds, for each product on the scatter kernel, the
-// clock cycles an item spends in each of its phases (CvmmRowsArgs::phase_cycles). Each token's
+// clock cycles an item spends in each of its phases (kernels/cvmm_dev.h). Each token's
 // experts are drawn at random, as a router with random weights picks them; --stride-routing takes
 // them at a fixed stride instead (launch/dev/bench_routing.h).
 #include <cublas_v2.h>
@@ -19,7 +19,7 @@
 
 #include "core/rng.h"
 #include "core/side_stream.h"
-#include "kernels/cvmm_cuda.h"
+#include "kernels/cvmm_dev.h"
 #include "launch/dev/bench_routing.h"
 #include "launch/dev/cuda_timing.h"
 

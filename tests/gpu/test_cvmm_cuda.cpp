@@ -15,6 +15,7 @@
 #include "gpu_test.h"
 #include "kernels/cvmm.h"
 #include "kernels/cvmm_cuda.h"
+#include "kernels/cvmm_dev.h"
 
 namespace moeut {
 namespace {
