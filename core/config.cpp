@@ -65,6 +65,8 @@ po::options_description train_options(TrainConfig& t) {
       ("seed", po::value(&t.seed)->default_value(t.seed), "seed of initialisation and data order")
       ("eval_every", po::value(&t.eval_every)->default_value(t.eval_every), "steps between validation reports (0: off)")
       ("eval_batches", po::value(&t.eval_batches)->default_value(t.eval_batches), "validation micro-batches per periodic report")
+      ("log_experts_every", po::value(&t.log_experts_every)->default_value(t.log_experts_every),
+       "steps between expert-load reports: selections per expert, dead experts, usage perplexity (0: off)")
       ("threads", po::value(&t.threads)->default_value(t.threads), "CPU threads (0: OpenMP default)")
       ("ep", po::value(&t.ep)->default_value(t.ep), "expert-parallel group size: ranks that share one copy of the FFN experts")
       ("device", po::value(&t.device)->default_value(t.device), "cpu, cuda, or auto (cuda when a GPU is present)")
@@ -143,6 +145,7 @@ void validate(const Config& c) {
   require_range("grad_clip", t.grad_clip, 0, INFINITY, "must be finite and >= 0 (0 disables clipping)");
   if (t.grad_jump_factor != 0) require_range("grad_jump_factor", t.grad_jump_factor, 1, INFINITY, "must be 0 (off) or finite and >= 1");
   if (t.eval_every < 0) fail("eval_every", "must be >= 0 (0 disables)");
+  if (t.log_experts_every < 0) fail("log_experts_every", "must be >= 0 (0 disables)");
   require_positive("eval_batches", t.eval_batches);
   if (t.threads < 0) fail("threads", "must be >= 0 (0: OpenMP default)");
   require_positive("ep", t.ep);

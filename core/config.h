@@ -62,6 +62,7 @@ struct TrainConfig {
   uint64_t seed = 1;
   int64_t eval_every = 50;       // steps between validation reports; 0 disables
   int64_t eval_batches = 8;      // micro-batches of the validation file per periodic report
+  int64_t log_experts_every = 0; // steps between expert-load reports (docs/METRICS.md); 0 disables
   int64_t threads = 0;           // CPU threads; 0 keeps OpenMP's default
   int64_t ep = 1;                // expert-parallel group size (ranks sharing one set of experts)
   std::string device = "auto";   // cpu, cuda, or auto (cuda when built with it and a GPU is there)

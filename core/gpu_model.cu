@@ -66,10 +66,11 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
       batch_(batch),
       B_(batch),
       stream_(stream),
-      own_stream_(stream == nullptr) {
+      own_stream_(stream == nullptr),
+      load_layout_(cfg_),
+      expert_load_(load_layout_.size()) {
   if (own_stream_) MOEUT_CUDA_CHECK(cudaStreamCreate(&stream_));
-  check_cublas(cublasCreate(&cublas_), "cublasCreate");
-  check_cublas(cublasSetStream(cublas_, stream_), "cublasSetStream");
+  dense_ = std::make_unique<DenseProducts>(cfg_.d_model, stream_);
   side_ = std::make_unique<SideStream>(stream_);
   const int64_t T = cfg_.context, N = batch * T, d = cfg_.d_model, H = cfg_.n_heads;
   const int64_t hd = H * cfg_.d_head, he = H * cfg_.att_n_experts, hk = H * cfg_.att_k;
@@ -172,12 +173,12 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
     router_grads_padded_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(cfg_.group_size * ld * d));
     MOEUT_CUDA_CHECK(cudaMemset(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float)));
   }
-  attention_ = std::make_unique<cuda::CausalAttention>(cublas_, batch, T, H, cfg_.d_head);
+  attention_ = std::make_unique<cuda::CausalAttention>(dense_->handle(), batch, T, H, cfg_.d_head);
   const int64_t G = cfg_.group_size, R = cfg_.repeats();
   reg_ffn_ = std::make_unique<cuda::EntropyReg>(G, batch, T, 1, cfg_.ff_n_experts, R);
   reg_att_v_ = std::make_unique<cuda::EntropyReg>(G, batch, T, H, cfg_.att_n_experts, R);
   reg_att_o_ = std::make_unique<cuda::EntropyReg>(G, batch, T, H, cfg_.att_n_experts, R);
-  head_ = std::make_unique<cuda::LmHeadCE>(cublas_, cfg_.n_tokens, d);
+  head_ = std::make_unique<cuda::LmHeadCE>(dense_->handle(), cfg_.n_tokens, d);
   for (const Layer& L : layers_) {
     ledger_.add(Kind::kActivations, L.plan_v.device_bytes() + L.plan_o.device_bytes() + L.plan_ff.device_bytes());
     if (L.route) ledger_.add(Kind::kExchange, L.route->device_bytes());
@@ -185,11 +186,20 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   ledger_.add(Kind::kWorkspace, planner_->device_bytes() + attention_->device_bytes() + reg_ffn_->device_bytes() +
                                     reg_att_v_->device_bytes() + reg_att_o_->device_bytes() + head_->device_bytes());
   if (dispatcher_) ledger_.add(Kind::kExchange, dispatcher_->device_bytes());
+  ledger_.add(Kind::kWorkspace, expert_load_.device_bytes());
+}
+
+void GpuModel::set_expert_counting(bool on) {
+  if (on == counting_experts_) return;
+  counting_experts_ = on;
+  graphs_.clear();  // captured passes count or not as they were captured
 }
 
 GpuModel::~GpuModel() {
   graphs_.clear();  // before the stream they ran on
-  if (cublas_) cublasDestroy(cublas_);
+  head_.reset();  // the products' users, then the products, before the stream they are bound to
+  attention_.reset();
+  dense_.reset();
   if (own_stream_) cudaStreamDestroy(stream_);
 }
 
@@ -224,16 +234,6 @@ void GpuModel::zero_unwritten_expert_grads() {
 }
 
 // y [rows, out] (row-major) = alpha · x [rows, d] · Wᵀ, W [out, d]: column-major y [out, rows].
-void GpuModel::dense(const bf16* x, const bf16* W, int64_t rows, int64_t out, float alpha, void* y,
-                     cudaDataType y_type, int64_t y_ld, const char* what) {
-  const float zero = 0.f;
-  const int64_t d = cfg_.d_model;
-  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(rows), int(d), &alpha, W, CUDA_R_16BF,
-                            int(d), x, CUDA_R_16BF, int(d), &zero, y, y_type, int(y_ld ? y_ld : out),
-                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               what);
-}
-
 void GpuModel::copy_weights(bool training) {
   const int64_t d = cfg_.d_model;
   for (const LayerRouters& R : routers_)
@@ -257,7 +257,7 @@ void GpuModel::route(const bf16* x, const bf16* W, std::initializer_list<Routing
   const bool direct = routers.size() == 1 && ld == out;
   float* const logits = direct ? routers.begin()->z : router_logits_.get();
   mark(Part::kDense);
-  dense(x, W, N, ld, 1.f, logits, CUDA_R_32F, ld, "router product");
+  dense_->forward(x, W, N, ld, 1.f, logits, CUDA_R_32F, ld, "router product");
   mark(Part::kRouting);
   if (beside) side_->fork();
   cudaStream_t const stream = beside ? side_->get() : stream_;
@@ -265,6 +265,8 @@ void GpuModel::route(const bf16* x, const bf16* W, std::initializer_list<Routing
   for (const Routing& r : routers) {
     cuda::topk_sigmoid_forward(r.index, r.w, logits + column, N, r.groups, r.E, r.k, stream, ld, direct ? nullptr : r.z,
                                r.means);
+    if (counting_experts_ && backward_ && r.load_offset >= 0)
+      expert_load_.count(r.load_offset, r.index, r.w, N, r.groups, r.E, r.k, stream);
     column += r.groups * r.E;
   }
 }
@@ -285,9 +287,11 @@ void GpuModel::attention_forward(int64_t l) {
   // experts' plan, needed only after the attention, is built beside the value experts too.
   route(xn_.get(), routers_[g].attention.get(),
         {{.groups = H, .E = Ea, .k = ka, .z = L.zv.get(), .index = L.iv.get(), .w = L.wv.get(),
-          .means = reg_means(*reg_att_v_, l, L.zv_lse.get())},
+          .means = reg_means(*reg_att_v_, l, L.zv_lse.get()),
+          .load_offset = load_layout_.offset(g, ExpertKind::kAttentionValue)},
          {.groups = H, .E = Ea, .k = ka, .z = L.zo.get(), .index = L.io.get(), .w = L.wo.get(),
-          .means = reg_means(*reg_att_o_, l, L.zo_lse.get())}},
+          .means = reg_means(*reg_att_o_, l, L.zo_lse.get()),
+          .load_offset = load_layout_.offset(g, ExpertKind::kAttentionOutput)}},
         true);
   planner_->build(L.plan_v, L.iv.get(), N, H, Ea, ka, cuda::CvmmRoute::kGatherToGroupRows, side_->get());
   side_->mark();
@@ -295,7 +299,7 @@ void GpuModel::attention_forward(int64_t l) {
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
   // q and k (adjacent in the layout) in one product; their 2·H heads side by side take RoPE alike.
-  dense(xn_.get(), P.q, N, 2 * hd, s, L.qk.get(), CUDA_R_16BF, 0, "q and k product");
+  dense_->forward(xn_.get(), P.q, N, 2 * hd, s, L.qk.get(), CUDA_R_16BF, 0, "q and k product");
   mark(Part::kAttention);
   cuda::rope_forward(L.qk.get(), B_, T, 2 * H, dh, cfg_.rope_dims(), stream_);
   mark(Part::kExperts);
@@ -327,7 +331,7 @@ void GpuModel::ffn_forward(int64_t l) {
                           L.x_midb.get(), backward_ ? L.xhat2.get() : nullptr);
   route(xn_.get(), routers_[g].ffn.get(),
         {{.groups = 1, .E = Ef, .k = kf, .z = L.z.get(), .index = L.i_ff.get(), .w = L.w_ff.get(),
-          .means = reg_means(*reg_ffn_, l, L.z_lse.get())}});
+          .means = reg_means(*reg_ffn_, l, L.z_lse.get()), .load_offset = load_layout_.offset(g, ExpertKind::kFfn)}});
   if (!dispatcher_) {
     mark(Part::kExperts);
     experts_forward(l, L.i_ff.get(), y);
@@ -381,6 +385,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
   out.reg_att = reg_loss_host_.get()[1] / weight;
   if (pass == Pass::kTrain) {
     out.residual_std = residual_std_of(rstd_f_host_.get(), N);
+    for (const Layer& L : layers_) rows_received_ += dispatcher_ ? L.received : N;
   }
   return out;
 }
@@ -464,16 +469,6 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
                                      cudaMemcpyDeviceToHost, stream_));
 }
 
-void GpuModel::dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, float* dW, int64_t rows, int64_t out) {
-  const int64_t d = cfg_.d_model;
-  const float one = 1.f;
-  // dW [out, d] += dyᵀ x  <=>  cm [d, out] += x(cm [d, rows]) · dy(cm [out, rows])ᵀ
-  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, int(d), int(out), int(rows), &one, x, CUDA_R_16BF, int(d),
-                            dy, CUDA_R_16BF, int(dy_ld), &one, dW, CUDA_R_32F, int(d), CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT),
-               "dense weight gradient");
-}
-
 float* GpuModel::ffn_router_grad(int64_t group) const {
   if (router_grads_padded_.size() == 0) return param_grads_.layers[group].expert_sel;
   return router_grads_padded_.get() + group * router_ld(cfg_.ff_n_experts) * cfg_.d_model;
@@ -481,23 +476,11 @@ float* GpuModel::ffn_router_grad(int64_t group) const {
 
 void GpuModel::fold_router_grads() {
   if (router_grads_padded_.size() == 0) return;
-  const float one = 1.f;
   mark(Part::kDense);
   for (int64_t g = 0; g < cfg_.group_size; ++g)
-    check_cublas(cublasSaxpy(cublas_, int(cfg_.ff_n_experts * cfg_.d_model), &one, ffn_router_grad(g), 1,
-                             param_grads_.layers[g].expert_sel, 1),
-                 "FFN router gradient");
+    dense_->add(ffn_router_grad(g), param_grads_.layers[g].expert_sel, cfg_.ff_n_experts * cfg_.d_model,
+                "FFN router gradient");
   MOEUT_CUDA_CHECK(cudaMemsetAsync(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float), stream_));
-}
-
-void GpuModel::dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, bf16* dx) {
-  const int64_t d = cfg_.d_model;
-  const float one = 1.f, zero = 0.f;
-  // dx [rows, d] = dy W  <=>  cm [d, rows] = W(cm [d, k]) · dy(cm [k, rows])
-  check_cublas(cublasGemmEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(d), int(rows), int(k), &one, W, CUDA_R_16BF, int(d), dy,
-                            CUDA_R_16BF, int(dy_ld), &zero, dx, CUDA_R_16BF, int(d), CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT),
-               "dense input gradient");
 }
 
 void GpuModel::routing_grad(const cuda::SoftmaxGrad& reg, const int32_t* index, const float* w, int64_t groups,
@@ -533,14 +516,14 @@ void GpuModel::ffn_backward(int64_t l) {
   routing_grad(reg_ffn_->gradient(g, L.z.get(), L.z_lse.get()), L.i_ff.get(), L.w_ff.get(),
                1, Ef, kf, dzb_.get(), ld);
   mark(Part::kDense);
-  dense_input_grad(dzb_.get(), ld, routers_[g].ffn.get(), ld, N, dxn_.get());
+  dense_->input_grad(dzb_.get(), ld, routers_[g].ffn.get(), ld, N, dxn_.get());
   mark(Part::kOther);
   // LN2's backward also writes LN2's output again (bit for bit the forward's) into xn_, for the
   // router's weight gradient.
   cuda::layernorm_backward(dres_.get(), dP.ln2_weight, dP.ln2_bias, dxn_.get(), L.xhat2.get(), P.ln2_weight,
                            L.rstd2.get(), N, d, stream_, dresb_.get(), P.ln2_bias, xn_.get());
   mark(Part::kDense);
-  dense_weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(g), N, ld);
+  dense_->weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(g), N, ld);
 }
 
 GpuModel::ExpertRows GpuModel::expert_rows(int64_t l) const {
@@ -675,7 +658,7 @@ void GpuModel::attention_backward(int64_t l) {
   cuda::rope_backward(dq, B_, T, 2 * H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);  // dq and dk's 2·H heads
   mark(Part::kDense);
   // The input gradient is one product over all four.
-  dense_input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get() + g * attn_in_ld_ * d, attn_in_ld_, N,
+  dense_->input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get() + g * attn_in_ld_ * d, attn_in_ld_, N,
                    dxn_.get());
   side_->join();
   mark(Part::kOther);
@@ -694,7 +677,7 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kDense);
   // The weight gradients: q, k and the two routers are adjacent in the layout (checked at
   // construction), so one product.
-  dense_weight_grad(dq, attn_in_ld_, xn_.get(), dP.q, N, 2 * hd + 2 * H * Ea);
+  dense_->weight_grad(dq, attn_in_ld_, xn_.get(), dP.q, N, 2 * hd + 2 * H * Ea);
 }
 
 }  // namespace moeut

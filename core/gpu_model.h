@@ -4,7 +4,6 @@
 // as one buffer. The forward pass keeps, per logical layer, what the backward pass needs (of the
 // residual stream, only bf16 copies and the LayerNorms' x̂: the stream itself is added into in place).
 #pragma once
-#include <cublas_v2.h>
 
 #include <algorithm>
 #include <array>
@@ -13,7 +12,9 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/dense_products.h"
 #include "core/device_ledger.h"
+#include "core/expert_load.h"
 #include "core/gpu_token_dispatcher.h"
 #include "core/model.h"
 #include "core/param_tensors.h"
@@ -25,6 +26,7 @@
 #include "kernels/cvmm_cuda.h"
 #include "kernels/device_buffer.h"
 #include "kernels/entropy_reg_cuda.h"
+#include "kernels/expert_load_cuda.h"
 #include "kernels/lm_head_ce_cuda.h"
 
 namespace moeut {
@@ -71,6 +73,13 @@ class GpuModel {
   // How many kinds of pass are captured (replayed on their next sight).
   int64_t captured_passes() const { return graphs_.captured(); }
   int64_t dispatch_bytes() const { return dispatcher_ ? dispatcher_->bytes_sent() : 0; }  // sent to other ranks
+  // Token rows the FFN experts here were given in training passes (their own and received).
+  int64_t expert_rows_received() const { return rows_received_; }
+  // Expert-load counting (core/expert_load.h) in training passes, on the device beside each
+  // top-k; off until switched on. take_expert_load() reads and restarts the counts (waits for
+  // the stream).
+  void set_expert_counting(bool on);
+  std::vector<double> take_expert_load() { return expert_load_.take(stream_); }
 
   // Where a pass spends device time, by part (moeut-bench; see StepProfiler). Off by default.
   using Part = StepProfiler::Part;
@@ -124,17 +133,10 @@ class GpuModel {
   WeightGradTurn weight_grad_turn(int64_t l) const;
   void zero_unwritten_expert_grads();  // see grads()
   void attention_backward(int64_t l);
-  // The backward of dense, in two halves. dy [rows, *] has rows dy_ld elements apart.
-  // dW [out, d] += dyᵀ·x;  dx [rows, d] = dy[:, :k] · W [k, d].
-  void dense_weight_grad(const bf16* dy, int64_t dy_ld, const bf16* x, float* dW, int64_t rows, int64_t out);
-  void dense_input_grad(const bf16* dy, int64_t dy_ld, const bf16* W, int64_t k, int64_t rows, bf16* dx);
   // The routing logits' gradient, dz = regulariser gradient + routing backward, in bf16 into dzb
   // [rows, groups·E] with rows ld elements apart.
   void routing_grad(const cuda::SoftmaxGrad& reg, const int32_t* index, const float* w, int64_t groups, int64_t E,
                     int64_t k, bf16* dzb, int64_t ld);
-  // y's rows are y_ld elements apart (0: out_features); what: the product, for errors.
-  void dense(const bf16* x, const bf16* W, int64_t rows, int64_t out_features, float alpha, void* y,
-             cudaDataType y_type, int64_t y_ld, const char* what);
   // Copies of working weights in the shapes their products want, one per physical layer, made at
   // the start of each pass (the weights change only between passes): routers whose row count is
   // not a multiple of 8, padded to router_ld rows (see router_ld); and, when training, the four
@@ -161,6 +163,7 @@ class GpuModel {
     int32_t* index;
     float* w;
     cuda::SoftmaxMeans means;
+    int64_t load_offset = -1;  // where expert-load counting adds its selections (-1: not counted)
   };
   // Routing by routers whose weights lie one after another in W (a RouterWeight's): one product
   // x·Wᵀ for all of them, in fp32 (see router_ld), then each one's top k: on the main stream, or
@@ -188,7 +191,7 @@ class GpuModel {
   bool backward_ = false;     // and a backward pass (its forward keeps the LayerNorms' x̂ for it)
   cudaStream_t stream_ = nullptr;
   bool own_stream_ = false;
-  cublasHandle_t cublas_ = nullptr;
+  std::unique_ptr<DenseProducts> dense_;
   cuda::DeviceBuffer<float> grads_;
   // Per physical layer: whether its FFN expert gradients hold a value since zero_gradients()
   // (until then its first weight gradient writes them instead of adding).
@@ -271,6 +274,10 @@ class GpuModel {
   cuda::PinnedBuffer<float> row_loss_host_, rstd_f_host_;  // rstd_f_host_: the output LayerNorm's, for residual_std
   cuda::PinnedBuffer<double> reg_loss_host_;
   StepProfiler profiler_;  // on the main stream
+  ExpertLoadLayout load_layout_;
+  cuda::ExpertLoadCounter expert_load_;
+  bool counting_experts_ = false;
+  int64_t rows_received_ = 0;
 };
 
 

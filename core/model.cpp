@@ -65,7 +65,8 @@ Model<T>::Model(const ModelConfig& config)
 
 template <typename T>
 Model<T>::Model(const ModelConfig& config, ExpertShard shard)
-    : cfg_((validate(config), config)), layout_(cfg_, shard) {
+    : cfg_((validate(config), config)), layout_(cfg_, shard), load_layout_(cfg_),
+      expert_load_(size_t(2 * load_layout_.size()), 0.0) {
   if (shard.count == cfg_.ff_n_experts) dispatcher_ = std::make_unique<LocalDispatcher<T>>(cfg_.ff_n_experts);
   params.assign(size_t(layout_.total()), T(0));
   grads.assign(size_t(layout_.total()), T(0));
@@ -268,6 +269,31 @@ LossParts Model<T>::regularisers(double weight) {
 }
 
 template <typename T>
+void Model<T>::count_expert_load(int64_t N) {
+  double* counts = expert_load_.data();
+  double* weights = counts + load_layout_.size();
+  const int64_t H = cfg_.n_heads, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    const LayerActs& a = acts_[l];
+    const int64_t g = l % cfg_.group_size;
+    auto at = [&](ExpertKind kind) { return load_layout_.offset(g, kind); };
+    count_selections(counts + at(ExpertKind::kFfn), weights + at(ExpertKind::kFfn), a.i_ff.data(), a.w_ff.data(), N,
+                     1, cfg_.ff_n_experts, cfg_.ff_k);
+    count_selections(counts + at(ExpertKind::kAttentionValue), weights + at(ExpertKind::kAttentionValue),
+                     a.iv.data(), a.wv.data(), N, H, Ea, ka);
+    count_selections(counts + at(ExpertKind::kAttentionOutput), weights + at(ExpertKind::kAttentionOutput),
+                     a.io.data(), a.wo.data(), N, H, Ea, ka);
+  }
+}
+
+template <typename T>
+std::vector<double> Model<T>::take_expert_load() {
+  std::vector<double> out(expert_load_.size(), 0.0);
+  out.swap(expert_load_);
+  return out;
+}
+
+template <typename T>
 void Model<T>::ffn_backward(int64_t l, T* dx) {
   LayerActs& a = acts_[l];
   const std::string p = layer_prefix(l % cfg_.group_size);
@@ -325,6 +351,7 @@ template <typename T>
 LossParts Model<T>::forward_backward(const int32_t* tokens, int64_t B, double weight) {
   forward(tokens, B);
   const int64_t N = B * cfg_.context, d = cfg_.d_model;
+  count_expert_load(N);
   if (!(weight > 0)) throw std::invalid_argument("forward_backward: weight must be positive");
   LossParts loss = regularisers(weight);
   // The cross-entropy gradient starts the backward pass at the output LayerNorm.

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/expert_load.h"
 #include "core/params.h"
 #include "core/token_dispatcher.h"
 #include "kernels/cvmm.h"
@@ -39,6 +40,7 @@ class Model {
   explicit Model(const ModelConfig& config);
   Model(const ModelConfig& config, ExpertShard shard);
   void set_dispatcher(std::unique_ptr<TokenDispatcher<T>> d) { dispatcher_ = std::move(d); }
+  const TokenDispatcher<T>* dispatcher() const { return dispatcher_.get(); }
 
   const ModelConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
@@ -54,6 +56,10 @@ class Model {
 
   // Sum of the cross-entropy over the B * context predictions (no regularisers, no gradients).
   double forward_ce_sum(const int32_t* tokens, int64_t B);
+
+  // The routers' choices in the forward_backward calls since the last call (ExpertLoadLayout's
+  // counts, then routing-weight sums), and a fresh count from here.
+  std::vector<double> take_expert_load();
 
   std::vector<T> params, grads;
 
@@ -84,6 +90,7 @@ class Model {
   void ffn_forward(int64_t l);
   LossParts regularisers(double weight);
   void ffn_backward(int64_t l, T* dx);
+  void count_expert_load(int64_t N);  // the last forward pass's N tokens into expert_load_
   void attention_backward(int64_t l, T* dx);
   ExpertParams<T> expert_params(int64_t l);
 
@@ -96,6 +103,8 @@ class Model {
   std::vector<T> xf_, mean_f_, rstd_f_;  // output LayerNorm
   Scratch s_;
   std::unique_ptr<TokenDispatcher<T>> dispatcher_;
+  ExpertLoadLayout load_layout_;
+  std::vector<double> expert_load_;  // see take_expert_load
 };
 
 }  // namespace moeut

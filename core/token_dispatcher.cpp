@@ -9,6 +9,7 @@ void LocalDispatcher<T>::forward(int64_t use, const T* x, const int32_t* I, cons
   ExpertWork<T>& work = work_[use];
   work.rows = x;
   work.n_rows = n;
+  rows_received_ += n;
   rows_.resize(size_t(n * k));
   for (int64_t s = 0; s < n * k; ++s) rows_[s] = int32_t(s / k);
   work.set_selections(rows_.data(), I, w, n * k, n_experts_);

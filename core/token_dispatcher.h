@@ -22,6 +22,10 @@ class TokenDispatcher {
                        const ExpertParams<T>& p, T* y) = 0;
   // dx[t] += d/dx[t]; dw[t,j] = d/dw[t,j]; expert gradients accumulated into p. dy may alias dx.
   virtual void backward(int64_t use, const T* dy, T* dx, T* dw, const ExpertParams<T>& p) = 0;
+  // This rank's traffic so far: bytes of its data that other ranks received, and the token rows
+  // its experts were given in forward passes (its own tokens among them).
+  virtual int64_t bytes_sent() const = 0;
+  virtual int64_t rows_received() const = 0;
 };
 
 template <typename T>
@@ -31,9 +35,12 @@ class LocalDispatcher final : public TokenDispatcher<T> {
   void forward(int64_t use, const T* x, const int32_t* I, const T* w, int64_t n, int64_t k,
                const ExpertParams<T>& p, T* y) override;
   void backward(int64_t use, const T* dy, T* dx, T* dw, const ExpertParams<T>& p) override;
+  int64_t bytes_sent() const override { return 0; }
+  int64_t rows_received() const override { return rows_received_; }
 
  private:
   int64_t n_experts_;
+  int64_t rows_received_ = 0;
   std::vector<ExpertWork<T>> work_;  // per use
   std::vector<int32_t> rows_;
   std::vector<T> dhidden_;

@@ -17,6 +17,9 @@ void AllGatherDispatcher::forward(int64_t use, const float* x, const int32_t* I,
   u.tokens = ep_.all_to_all(std::vector<int64_t>(size_t(ep_.size()), n));  // everyone's n
   const int64_t total = std::accumulate(u.tokens.begin(), u.tokens.end(), int64_t(0));
   u.first = std::accumulate(u.tokens.begin(), u.tokens.begin() + ep_.rank(), int64_t(0));
+  const int64_t others = ep_.size() - 1;
+  rows_received_ += total;
+  bytes_sent_ += int64_t(sizeof(float)) * (others * n * (d + 2 * k) + (total - n) * d);
 
   u.rows.resize(size_t(total * d));
   std::copy_n(x, n * d, u.rows.begin() + u.first * d);
@@ -55,6 +58,7 @@ void AllGatherDispatcher::backward(int64_t use, const float* dy, float* dx, floa
   Use& u = uses_.at(use);
   const int64_t d = p.d, k = u.k, n = u.tokens[ep_.rank()];
   const int64_t total = std::accumulate(u.tokens.begin(), u.tokens.end(), int64_t(0));
+  bytes_sent_ += int64_t(sizeof(float)) * ((ep_.size() - 1) * n * d + (total - n) * (d + k));
   // Every read of dy happens here, before dx (possibly the same buffer) is written.
   out_.resize(size_t(total * d));  // every output-row gradient of the group
   std::copy_n(dy, n * d, out_.begin() + u.first * d);

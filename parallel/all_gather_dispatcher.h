@@ -19,6 +19,10 @@ class AllGatherDispatcher final : public TokenDispatcher<float> {
   void forward(int64_t use, const float* x, const int32_t* I, const float* w, int64_t n, int64_t k,
                const ExpertParams<float>& p, float* y) override;
   void backward(int64_t use, const float* dy, float* dx, float* dw, const ExpertParams<float>& p) override;
+  // Bytes: this rank's rows, selections and gradients as the other ranks receive them in the
+  // gathers, and its partial sums for them in the reduce-scatters.
+  int64_t bytes_sent() const override { return bytes_sent_; }
+  int64_t rows_received() const override { return rows_received_; }
 
  private:
   struct Use {
@@ -35,6 +39,7 @@ class AllGatherDispatcher final : public TokenDispatcher<float> {
   std::vector<int32_t> all_index_, sel_row_, sel_expert_;
   std::vector<float> all_weight_, sel_weight_, out_, mine_, din_, dweight_, dhidden_;
   CvmmWorkspace<float> ws_;
+  int64_t bytes_sent_ = 0, rows_received_ = 0;
 };
 
 }  // namespace moeut

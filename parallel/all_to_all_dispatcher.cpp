@@ -62,6 +62,7 @@ void AllToAllDispatcher::forward(int64_t use, const float* x, const int32_t* I, 
   r.recv_sels = ep_.all_to_all(r.send_sels);
 
   const int64_t n_send = int64_t(r.copy_token.size()), n_recv = total(r.recv_copies);
+  rows_received_ += n_recv;
   send_rows_.resize(size_t(n_send * d));
   for (int64_t c = 0; c < n_send; ++c) std::copy_n(x + int64_t(r.copy_token[c]) * d, d, send_rows_.data() + c * d);
   r.rows.resize(size_t(n_recv * d));

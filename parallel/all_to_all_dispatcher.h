@@ -22,8 +22,9 @@ class AllToAllDispatcher final : public TokenDispatcher<float> {
                const ExpertParams<float>& p, float* y) override;
   void backward(int64_t use, const float* dy, float* dx, float* dw, const ExpertParams<float>& p) override;
 
-  // Bytes this rank has sent through the exchanges so far (token rows, metadata, results).
-  int64_t bytes_sent() const { return bytes_sent_; }
+  // Bytes sent through the exchanges: token rows, metadata, results.
+  int64_t bytes_sent() const override { return bytes_sent_; }
+  int64_t rows_received() const override { return rows_received_; }
 
  private:
   struct Route {  // one use of one FFN layer
@@ -44,7 +45,7 @@ class AllToAllDispatcher final : public TokenDispatcher<float> {
   std::vector<float> send_rows_, recv_rows_, send_w_, recv_w_, din_, dweight_, dhidden_;
   std::vector<int32_t> send_meta_, recv_meta_, sel_row_, sel_expert_;
   CvmmWorkspace<float> ws_;
-  int64_t bytes_sent_ = 0;
+  int64_t bytes_sent_ = 0, rows_received_ = 0;
 };
 
 }  // namespace moeut

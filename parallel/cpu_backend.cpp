@@ -29,6 +29,9 @@ class CpuBackend final : public TrainingBackend {
   std::vector<double> gradient_square_sums() override { return optimizer_.tensor_square_sums(model_.layout()); }
   std::vector<float> parameters() override { return model_.params; }
   int64_t optimizer_state_bytes() const override { return optimizer_.state_bytes(); }
+  int64_t dispatch_bytes() const override { return model_.dispatcher()->bytes_sent(); }
+  int64_t expert_rows_received() const override { return model_.dispatcher()->rows_received(); }
+  std::vector<double> take_expert_load() override { return model_.take_expert_load(); }
   const ZeroPartition& partition() const override { return optimizer_.partition(); }
   OptimizerShard optimizer_shard() override { return optimizer_.shard(model_.params); }
   void load_optimizer_shard(const OptimizerShard& s) override { optimizer_.load(s, model_.params); }

@@ -86,6 +86,7 @@ class GpuBackend final : public TrainingBackend {
     Model<float> init(c.model, model_.layout().shard());
     init.init(c.train.seed);
     model_.set_parameters(init.params);
+    model_.set_expert_counting(c.train.log_experts_every > 0);
     optimizer_ = std::make_unique<GpuShardedAdamW>(model_.layout(), groups_, init.params, stream_.get());
     // Where the device's memory goes: the model's ledger, the optimizer state, and what the device
     // reports in use (which adds cuBLAS's, NCCL's and CUDA's own).
@@ -127,6 +128,8 @@ class GpuBackend final : public TrainingBackend {
   OptimizerShard optimizer_shard() override { return optimizer_->shard(); }
   void load_optimizer_shard(const OptimizerShard& s) override { optimizer_->load(s, model_.working()); }
   int64_t dispatch_bytes() const override { return model_.dispatch_bytes(); }
+  int64_t expert_rows_received() const override { return model_.expert_rows_received(); }
+  std::vector<double> take_expert_load() override { return model_.take_expert_load(); }
   double take_communication_seconds() override { return groups_.take_seconds(); }
 
  private:

@@ -12,6 +12,7 @@
 #include <numeric>
 #include <thread>
 
+#include "core/expert_load.h"
 #include "core/rng.h"
 #include "core/schedule.h"
 #include "core/stop_request.h"
@@ -70,6 +71,16 @@ std::string json_number(double x, const char* format) {
   return out;
 }
 
+// Seconds as the step line shows the time left: 45s, 12m05s, 3h07m.
+std::string eta_text(double seconds) {
+  const long long s = std::llround(std::max(0.0, seconds));
+  char out[32];
+  if (s < 60) std::snprintf(out, sizeof out, "%llds", s);
+  else if (s < 3600) std::snprintf(out, sizeof out, "%lldm%02llds", s / 60, s % 60);
+  else std::snprintf(out, sizeof out, "%lldh%02lldm", s / 3600, s % 3600 / 60);
+  return out;
+}
+
 // The configuration, after the checks that involve the process layout.
 const Config& checked(const Config& c, const ProcessGroups& g) {
   validate(c);
@@ -112,6 +123,28 @@ Trainer::Trainer(const Config& config, const ProcessGroups& groups)
   if (!metrics_) throw std::runtime_error("cannot write metrics file '" + cfg_.train.metrics + "'");
 }
 
+void Trainer::start_at(int64_t steps_done) {
+  start_step_ = steps_done;
+  if (!leader()) return;
+  const std::filesystem::path path(cfg_.train.metrics), kept(cfg_.train.metrics + ".resumed");
+  metrics_.close();
+  {
+    std::ifstream in(path);
+    std::ofstream out(kept, std::ios::trunc);
+    std::string line;
+    while (std::getline(in, line)) {
+      long long step = 0;
+      const bool numbered = std::sscanf(line.c_str(), "{\"step\": %lld", &step) == 1;
+      if (numbered && (step > steps_done || line.find("\"final\": true") != std::string::npos)) continue;
+      out << line << '\n';
+    }
+    if (!out.flush()) throw std::runtime_error("cannot write metrics file '" + kept.string() + "'");
+  }
+  std::filesystem::rename(kept, path);
+  metrics_.open(path, std::ios::app);
+  if (!metrics_) throw std::runtime_error("cannot write metrics file '" + cfg_.train.metrics + "'");
+}
+
 double Trainer::validation_loss(int64_t max_windows) {
   return evaluate([&](const int32_t* tokens, int64_t B) { return backend_->forward_ce_sum(tokens, B); },
                   cfg_.model.context, val_, cfg_.train.micro_batch_size, max_windows, *groups_.world);
@@ -135,6 +168,7 @@ double Trainer::run() {
   const int64_t first_sequence = groups_.world->rank() * local_batch_;
   const auto run_start = std::chrono::steady_clock::now();
   double longest_iteration = 0;  // seconds of a step with its validation and hook (saves)
+  expert_window_start_ = start_step_;
   for (int64_t step = start_step_; step < t.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     const double elapsed = std::chrono::duration<double>(start - run_start).count();
@@ -166,9 +200,10 @@ double Trainer::run() {
     const double comm = backend_->take_communication_seconds();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     losses_.push_back(loss.total());
-    log_step(step + 1, loss, lr, norm, seconds, {comm, backend_->dispatch_bytes() - dispatched});
+    log_step(step + 1, loss, lr, norm, seconds, gather_traffic(comm, backend_->dispatch_bytes() - dispatched));
     if (t.grad_jump_factor > 0) watch_gradient_norm(step + 1, norm);
     watch_residual(step + 1, loss.residual_std);
+    if (t.log_experts_every > 0 && (step + 1) % t.log_experts_every == 0) log_expert_load(step + 1);
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps && !stopping_)
       log_validation(step + 1, validation_loss(t.eval_batches * micro), false);
     if (after_step_) after_step_(step + 1);
@@ -216,9 +251,31 @@ std::vector<float> Trainer::full_parameters() {
   return out;
 }
 
+Trainer::Traffic Trainer::gather_traffic(double comm_seconds, int64_t dispatch_bytes) {
+  Traffic t{.comm_seconds = comm_seconds, .dispatch_bytes = dispatch_bytes};
+  Communicator& world = *groups_.world;
+  const int ranks = world.size();
+  std::vector<double> each(size_t(2 * ranks), 0.0);  // every rank's comm seconds, then its bytes
+  each[size_t(world.rank())] = comm_seconds;
+  each[size_t(ranks + world.rank())] = double(dispatch_bytes);
+  if (ranks > 1) world.all_reduce_sum(std::span<double>(each));
+  const auto comm = each.begin(), bytes = each.begin() + ranks;
+  t.comm_max = *std::max_element(comm, bytes);
+  t.comm_mean = std::accumulate(comm, bytes, 0.0) / ranks;
+  t.dispatch_max = *std::max_element(bytes, each.end());
+  t.dispatch_mean = std::accumulate(bytes, each.end(), 0.0) / ranks;
+  return t;
+}
+
 void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds,
                        const Traffic& traffic) {
   if (!leader()) return;
+  // The time left: the steps to go at the mean of the last (up to 20) steps' seconds.
+  if (recent_seconds_.size() == 20) recent_seconds_.erase(recent_seconds_.begin());
+  recent_seconds_.push_back(seconds);
+  const double eta = double(cfg_.train.steps - step) * std::accumulate(recent_seconds_.begin(), recent_seconds_.end(), 0.0) /
+                     double(recent_seconds_.size());
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   const double tokens_per_s = double(cfg_.train.batch_size * cfg_.model.context) / seconds;
   std::printf("step %5lld/%lld | loss %.4f | ce %.4f | reg %.5f | lr %.3e | grad_norm %.4f | residual_std %.3g | "
               "%.0f tok/s",
@@ -227,16 +284,18 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
   if (traffic.comm_seconds > 0)
     std::printf(" | comm %.0f ms (%.0f%%) | dispatch %.1f MB", traffic.comm_seconds * 1e3,
                 100 * traffic.comm_seconds / seconds, double(traffic.dispatch_bytes) / 1e6);
-  std::printf("\n");
+  std::printf(" | eta %s\n", eta_text(eta).c_str());
   std::fflush(stdout);
-  char line[640];
+  char line[1024];
   std::snprintf(line, sizeof line,
                 "{\"step\": %lld, \"loss\": %.8g, \"ce\": %.8g, \"reg_ffn\": %.8g, \"reg_att\": %.8g, "
-                "\"lr\": %.8g, \"grad_norm\": %s, \"residual_std\": %s, \"tokens_per_s\": %.1f, "
-                "\"comm_s\": %.6g, \"dispatch_bytes\": %lld}\n",
+                "\"lr\": %.8g, \"grad_norm\": %s, \"residual_std\": %s, \"step_s\": %.6g, \"tokens_per_s\": %.1f, "
+                "\"eta_s\": %.1f, \"time\": %.3f, \"comm_s\": %.6g, \"comm_s_max\": %.6g, \"comm_s_mean\": %.6g, "
+                "\"dispatch_bytes\": %lld, \"dispatch_bytes_max\": %.0f, \"dispatch_bytes_mean\": %.0f}\n",
                 (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr,
-                json_number(grad_norm, "%.8g").c_str(), json_number(loss.residual_std, "%.6g").c_str(), tokens_per_s,
-                traffic.comm_seconds, (long long)traffic.dispatch_bytes);
+                json_number(grad_norm, "%.8g").c_str(), json_number(loss.residual_std, "%.6g").c_str(), seconds,
+                tokens_per_s, eta, now, traffic.comm_seconds, traffic.comm_max, traffic.comm_mean,
+                (long long)traffic.dispatch_bytes, traffic.dispatch_max, traffic.dispatch_mean);
   metrics_ << line << std::flush;
 }
 
@@ -270,6 +329,71 @@ std::string residual_growth_warning(int64_t step, double residual_std, int64_t f
                 "longer warm-up or a lower learning rate avoids it",
                 (long long)step, spread);
   return line;
+}
+
+void Trainer::log_expert_load(int64_t step) {
+  const ExpertLoadLayout layout(cfg_.model);
+  std::vector<double> load = backend_->take_expert_load();
+  Communicator& world = *groups_.world;
+  world.all_reduce_sum(std::span<double>(load));
+  // Per rank, its slot filled: the token rows its experts were given, and the FFN selections its
+  // experts computed (the summed counts over the experts it holds).
+  const int ranks = world.size();
+  const int64_t received = backend_->expert_rows_received();
+  std::vector<double> per_rank(size_t(2 * ranks), 0.0);
+  per_rank[size_t(world.rank())] = double(received - rows_received_before_);
+  rows_received_before_ = received;
+  const ExpertShard shard = backend_->layout().shard();
+  for (int64_t layer = 0; layer < layout.layers(); ++layer)
+    for (int64_t e = 0; e < shard.count; ++e)
+      per_rank[size_t(ranks + world.rank())] += load[size_t(layout.offset(layer, ExpertKind::kFfn) + shard.begin + e)];
+  world.all_reduce_sum(std::span<double>(per_rank));
+  const int64_t first = expert_window_start_ + 1;
+  expert_window_start_ = step;
+  if (!leader()) return;
+  auto max_mean = [&](int64_t from) {
+    const auto begin = per_rank.begin() + from, end = begin + ranks;
+    return "{\"max\": " + json_number(*std::max_element(begin, end), "%.10g") +
+           ", \"mean\": " + json_number(std::accumulate(begin, end, 0.0) / ranks, "%.10g") + "}";
+  };
+  const std::vector<ExpertLoadStats> stats = expert_load_stats(layout, load);
+  std::string line = "{\"step\": " + std::to_string(step) + ", \"expert_load\": {\"first_step\": " +
+                     std::to_string(first) + ", \"layers\": [";
+  for (size_t i = 0; i < stats.size(); ++i) {
+    const ExpertLoadStats& s = stats[i];
+    line += std::string(i ? ", " : "") + "{\"layer\": " + std::to_string(s.layer) + ", \"kind\": \"" +
+            expert_kind_name(s.kind) + "\", \"experts\": " + std::to_string(s.experts) +
+            ", \"selections\": " + json_number(s.selections, "%.10g") + ", \"dead\": " + std::to_string(s.dead) +
+            ", \"usage_perplexity\": " + json_number(s.usage_perplexity, "%.6g") +
+            ", \"max_over_mean\": " + json_number(s.max_over_mean, "%.6g") +
+            ", \"mean_weight\": " + json_number(s.mean_weight, "%.6g") + ", \"counts\": [";
+    const double* counts = load.data() + layout.offset(s.layer, s.kind);
+    for (int64_t e = 0; e < s.experts; ++e) {
+      if (e) line += ',';
+      line += json_number(counts[e], "%.10g");
+    }
+    line += "]}";
+  }
+  line += "], \"rank_rows_received\": " + max_mean(0) + ", \"rank_ffn_selections\": " + max_mean(ranks) + "}}\n";
+  metrics_ << line << std::flush;
+  // The summary: per kind, dead experts and usage perplexity summed over the physical layers.
+  std::printf("experts, steps %lld-%lld:", (long long)first, (long long)step);
+  for (ExpertKind kind : kExpertKinds) {
+    int64_t dead = 0, experts = 0;
+    double perplexity = 0, worst = 0;
+    for (const ExpertLoadStats& s : stats)
+      if (s.kind == kind) dead += s.dead, experts += s.experts, perplexity += s.usage_perplexity,
+                          worst = std::max(worst, s.max_over_mean);
+    std::printf(" %s dead %lld/%lld, usage perplexity %.1f/%lld, busiest %.2fx mean%s", expert_kind_name(kind),
+                (long long)dead, (long long)experts, perplexity, (long long)experts, worst,
+                kind == ExpertKind::kAttentionOutput ? "" : " |");
+  }
+  if (groups_.ep() > 1) {
+    const double mean = std::accumulate(per_rank.begin(), per_rank.begin() + ranks, 0.0) / ranks;
+    std::printf(" | rows received per rank: max %.3gx mean", *std::max_element(per_rank.begin(), per_rank.begin() + ranks) / mean);
+  }
+  std::printf("\n");
+  std::fflush(stdout);
 }
 
 void Trainer::watch_residual(int64_t step, double residual_std) {

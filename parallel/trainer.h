@@ -64,24 +64,35 @@ class Trainer {
   TrainingBackend& backend() { return *backend_; }
   // Continues a run whose first `steps_done` steps are in the backend's (loaded) state: the
   // schedule and the data order are functions of the step, so nothing else is needed.
-  void start_at(int64_t steps_done) { start_step_ = steps_done; }
+  // Training continues after steps_done (a resumed run). Its metrics file keeps the rows of the
+  // steps up to there; those of later steps and the final validation (a run that went on past
+  // the checkpoint it resumes) are removed.
+  void start_at(int64_t steps_done);
   // Called on every rank after each step (its update and any validation report) with the
   // number of steps done.
   void after_step(std::function<void(int64_t steps_done)> hook) { after_step_ = std::move(hook); }
 
  private:
-  // What a step sent between ranks, seen from this one: device time in collectives (GPU ranks)
-  // and expert-parallel token traffic.
+  // What a step sent between ranks: device time in collectives (GPU ranks) and expert-parallel
+  // token traffic, this rank's and the largest and mean over the ranks.
   struct Traffic {
     double comm_seconds = 0;
     int64_t dispatch_bytes = 0;
+    double comm_max = 0, comm_mean = 0, dispatch_max = 0, dispatch_mean = 0;
   };
+  // This rank's traffic with the ranks' largest and mean (a collective).
+  Traffic gather_traffic(double comm_seconds, int64_t dispatch_bytes);
   void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds, const Traffic& traffic);
   void log_validation(int64_t step, double loss, bool final);
   // With TrainConfig::grad_jump_factor: when this step's gradient norm exceeds that multiple of
   // the median of the steps' before it (up to 20, once 10 are known), logs each tensor's
   // gradient norm (a collective: every rank decides alike, from the same global norms).
   void watch_gradient_norm(int64_t step, double grad_norm);
+  // With TrainConfig::log_experts_every: the experts' load over the steps since the last report
+  // (core/expert_load.h), summed over the ranks, and each rank's received rows and FFN
+  // selections (max and mean over the ranks); rank 0 prints a summary and writes the counts to
+  // the metrics file (a collective).
+  void log_expert_load(int64_t step);
   // Rank 0 prints residual_growth_warning once, the first time it is not empty.
   void watch_residual(int64_t step, double residual_std);
   // Rank 0 warns when ranks are bound to one CPU of a machine that has more (a collective).
@@ -97,7 +108,10 @@ class Trainer {
   std::ofstream metrics_;
   std::vector<double> losses_;
   std::vector<double> recent_norms_;  // the last steps' gradient norms, for watch_gradient_norm
+  std::vector<double> recent_seconds_;  // the last steps' seconds, for the estimate of the time left
   int64_t start_step_ = 0;
+  int64_t expert_window_start_ = 0;  // the first step of log_expert_load's window
+  int64_t rows_received_before_ = 0;  // expert_rows_received() at that step
   int64_t first_residual_step_ = 0;  // for watch_residual: the first step trained, and its spread
   double first_residual_std_ = 0;
   bool residual_warned_ = false;

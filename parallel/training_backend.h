@@ -32,7 +32,12 @@ class TrainingBackend {
   virtual std::vector<double> gradient_square_sums() = 0;
   virtual std::vector<float> parameters() = 0;  // in layout() order
   virtual int64_t optimizer_state_bytes() const = 0;
-  virtual int64_t dispatch_bytes() const { return 0; }  // expert-parallel token traffic sent so far
+  virtual int64_t dispatch_bytes() const = 0;  // expert-parallel token traffic sent so far
+  // Token rows this rank's FFN experts were given so far (its own and the group's tokens).
+  virtual int64_t expert_rows_received() const = 0;
+  // The routers' choices over this rank's tokens since the last call (core/expert_load.h's
+  // layout: counts, then routing-weight sums); counting starts afresh.
+  virtual std::vector<double> take_expert_load() = 0;
   virtual double take_communication_seconds() { return 0; }  // device time in collectives since the last call
   // Checkpoints: how the optimizer splits layout()'s buffer over the ranks, this rank's part
   // (fp32 master and moments, in partition order), and installing such a part, after which

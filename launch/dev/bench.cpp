@@ -1,11 +1,15 @@
 // moeut-bench: training steps (forward, backward, AdamW) of a profile on one GPU; prints
 // tokens/s, TFLOP/s and MFU (the spec's FLOP formula over the bf16 peak measured in the same
-// run), peak GPU memory and the split between forward, backward and optimizer.
+// run), peak GPU memory and the split between forward, backward and optimizer. With
+// MOEUT_BENCH_COUNT_EXPERTS=1 in the environment the steps count the experts' load as
+// --log_experts_every does (launch/dev/gpu-compare.sh --env MOEUT_BENCH_COUNT_EXPERTS: its cost).
 #include <boost/program_options.hpp>
 #include <cuda_profiler_api.h>
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <iostream>
 
 #include "core/gpu_model.h"
@@ -50,8 +54,11 @@ int main(int argc, char** argv) {
       params = std::move(init.params);
     }
     GpuModel model(m, batch);
+    const char* count_experts = std::getenv("MOEUT_BENCH_COUNT_EXPERTS");
+    model.set_expert_counting(count_experts && std::string(count_experts) == "1");
     std::printf("%s | %s | batch %lld x %lld | bf16 peak measured %.1f TFLOP/s | CUDA graphs %s\n", prop.name,
                 config_path.c_str(), (long long)batch, (long long)m.context, peak, model.graphs() ? "on" : "off");
+    if (count_experts) std::printf("expert-load counting: %s\n", std::string(count_experts) == "1" ? "on" : "off");
     model.set_parameters(params);
     const ProcessGroups one = ProcessGroups::single();
     GpuShardedAdamW optimizer(model.layout(), one, params, model.stream());

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <string>
 
+#include "core/expert_load.h"
 #include "gpu_test.h"
 #include "kernels/adamw.h"
 #include "kernels/adamw_cuda.h"
@@ -19,6 +20,7 @@
 #include "kernels/embedding_cuda.h"
 #include "kernels/entropy_reg.h"
 #include "kernels/entropy_reg_cuda.h"
+#include "kernels/expert_load_cuda.h"
 #include "kernels/grad_norm.h"
 #include "kernels/layernorm.h"
 #include "kernels/layernorm_cuda.h"
@@ -183,6 +185,39 @@ TEST_F(GpuTest, SigmoidTopKMatchesTheCpuReference) {
     }
     EXPECT_LE(rel_error(rows, expected), 4e-3) << "logit gradient (bf16)";
   }
+}
+
+TEST_F(GpuTest, ExpertLoadCountsMatchTheCpuReference) {
+  // Two calls into one counter, as a layer's FFN router and its attention's value router (four
+  // heads of 10) add theirs, then a take that must also reset the counters.
+  struct Call { int64_t offset, n, groups, E, k; };
+  const Call calls[] = {{0, 16384, 1, 565, 24}, {565, 5000, 4, 10, 2}};
+  const int64_t size = 565 + 40;
+  std::vector<double> expected(2 * size, 0.0);
+  cuda::ExpertLoadCounter counter(size);
+  std::vector<DeviceBuffer<int32_t>> indexes;
+  std::vector<DeviceBuffer<float>> weights;
+  Rng rng(17);
+  for (const Call& c : calls) {
+    std::vector<int32_t> index(size_t(c.n * c.groups * c.k));
+    std::vector<float> weight(index.size());
+    for (size_t s = 0; s < index.size(); ++s) {
+      index[s] = int32_t(rng.next() % uint64_t(c.E));
+      weight[s] = float(rng.uniform());
+    }
+    count_selections(expected.data() + c.offset, expected.data() + size + c.offset, index.data(), weight.data(), c.n,
+                     c.groups, c.E, c.k);
+    indexes.emplace_back(index);
+    weights.emplace_back(weight);
+    counter.count(c.offset, indexes.back().get(), weights.back().get(), c.n, c.groups, c.E, c.k, 0);
+  }
+  const std::vector<double> got = counter.take(0);
+  ASSERT_EQ(got.size(), expected.size());
+  for (int64_t e = 0; e < size; ++e) {
+    ASSERT_EQ(got[e], expected[e]) << "count of expert " << e;
+    EXPECT_NEAR(got[size + e], expected[size + e], 1e-5 * expected[size + e]) << "weight sum of expert " << e;
+  }
+  for (double v : counter.take(0)) ASSERT_EQ(v, 0.0) << "a take leaves the counters at zero";
 }
 
 TEST_F(GpuTest, AdamWAndGradientNormMatchTheCpuReference) {
