@@ -1,9 +1,13 @@
 #include "core/config.h"
 
 #include <boost/program_options.hpp>
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
+#include <thread>
 
 namespace po = boost::program_options;
 
@@ -86,17 +90,50 @@ po::options_description train_options(TrainConfig& t) {
   return o;
 }
 
+// The file's text: a readable regular file (not a directory, not a device such as /dev/zero) of
+// text (no NUL byte) whose lines are no longer than an option value may be.
+std::string read_config_text(const std::string& path) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec) throw ConfigError("config file '" + shown(path) + "': cannot read it: " + ec.message());
+  if (status.type() != std::filesystem::file_type::regular)
+    throw ConfigError("config file '" + shown(path) + "': not a regular file (" +
+                      (status.type() == std::filesystem::file_type::directory ? "a directory" : "a device, pipe or socket") +
+                      "); give a profile file such as configs/tiny.cfg");
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  if (!in || !(text << in.rdbuf())) throw ConfigError("config file '" + shown(path) + "': cannot read it");
+  const std::string s = text.str();
+  if (const size_t nul = s.find('\0'); nul != std::string::npos)
+    throw ConfigError("config file '" + shown(path) + "': not a text file (byte " + std::to_string(nul) + " is NUL)");
+  size_t line = 1;
+  for (size_t begin = 0; begin < s.size(); ++line) {
+    const size_t end = std::min(s.find('\n', begin), s.size());
+    if (end - begin > kLongestOptionValue)
+      throw ConfigError("config file '" + shown(path) + "': line " + std::to_string(line) + " ('" +
+                        shown(s.substr(begin, end - begin)) + "') is longer than " +
+                        std::to_string(kLongestOptionValue) + " characters");
+    begin = end + 1;
+  }
+  return s;
+}
+
 void parse_file(const std::string& path, const po::options_description& desc, po::variables_map& vm) {
-  std::ifstream in(path);
-  if (!in) throw ConfigError("cannot read config file '" + path + "'");
+  std::istringstream in(read_config_text(path));
   try {
     po::store(po::parse_config_file(in, desc), vm);
   } catch (const po::error& e) {
-    throw ConfigError("config file '" + path + "': " + e.what());
+    throw ConfigError("config file '" + shown(path) + "': " + e.what());
   }
 }
 
 }  // namespace
+
+std::string shown(const std::string& value) {
+  constexpr size_t kShown = 200;
+  if (value.size() <= kShown) return value;
+  return value.substr(0, kShown) + "... (" + std::to_string(value.size()) + " characters in all)";
+}
 
 void validate(const ModelConfig& m) {
   require_positive("n_tokens", m.n_tokens);
@@ -148,11 +185,16 @@ void validate(const Config& c) {
   if (t.log_experts_every < 0) fail("log_experts_every", "must be >= 0 (0 disables)");
   require_positive("eval_batches", t.eval_batches);
   if (t.threads < 0) fail("threads", "must be >= 0 (0: OpenMP default)");
+  // A thread per hardware thread is the most that helps; more only contend (and enough of them
+  // exhaust the process's stacks). 0: the machine does not say how many it has.
+  if (const unsigned machine = std::thread::hardware_concurrency(); machine > 0 && t.threads > int64_t(machine))
+    fail("threads", "must be at most the machine's " + std::to_string(machine) + " hardware threads (got " +
+                        std::to_string(t.threads) + ")");
   require_positive("ep", t.ep);
   if (t.dispatcher != "all_to_all" && t.dispatcher != "all_gather")
-    fail("dispatcher", "must be all_to_all or all_gather (got '" + t.dispatcher + "')");
+    fail("dispatcher", "must be all_to_all or all_gather (got '" + shown(t.dispatcher) + "')");
   if (t.device != "cpu" && t.device != "cuda" && t.device != "auto")
-    fail("device", "must be cpu, cuda or auto (got '" + t.device + "')");
+    fail("device", "must be cpu, cuda or auto (got '" + shown(t.device) + "')");
   if (t.train_data.empty()) fail("train_data", "is required");
   if (t.val_data.empty()) fail("val_data", "is required");
   if (t.out_weights.empty()) fail("out_weights", "must not be empty");
@@ -174,6 +216,10 @@ bool parse_train_args(int argc, const char* const* argv, Config& out) {
   file_options.add(model_options(c.model)).add(train_options(c.train));
   po::options_description all;
   all.add(general).add(file_options);
+  for (int i = 1; i < argc; ++i)
+    if (const std::string arg = argv[i]; arg.size() > kLongestOptionValue)
+      throw ConfigError("command line: argument " + std::to_string(i) + " ('" + shown(arg) + "') is longer than " +
+                        std::to_string(kLongestOptionValue) + " characters");
   po::variables_map vm;
   try {
     // The command line is stored first: Boost keeps the first value it sees, so it overrides

@@ -90,10 +90,17 @@ struct ConfigError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The longest value an option may have (a path's PATH_MAX): a longer one is refused.
+inline constexpr size_t kLongestOptionValue = 4096;
+// A value as error messages show it: up to 200 characters, then a note of its full length.
+std::string shown(const std::string& value);
+
 void validate(const ModelConfig& m);
 void validate(const Config& c);
 
-// Parses `--config FILE` (optional) and the command line; command-line values override the file.
+// Parses `--config FILE` (optional: a readable regular text file) and the command line;
+// command-line values override the file. No argument or line of the file may be longer than
+// kLongestOptionValue.
 // Returns false when --help was asked (help text already printed).
 bool parse_train_args(int argc, const char* const* argv, Config& out);
 

@@ -59,6 +59,26 @@ void build_selection(CvmmSelection& sel, const int32_t* index, int64_t n, int64_
 
 }  // namespace
 
+ModelBytes model_bytes(const ModelConfig& m, int64_t experts, int64_t B) {
+  const double d = double(m.d_model), V = double(m.n_tokens), G = double(m.group_size), L = double(m.n_layers);
+  const double hd = double(m.n_heads * m.d_head), he = double(m.n_heads) * double(m.att_n_experts);
+  const double hk = double(m.n_heads * m.att_k), kf = double(m.ff_k), Ef = double(m.ff_n_experts);
+  const double es = double(m.ff_expert_size), T = double(m.context), N = double(B) * T;
+  // ParamLayout: embedding and head, per physical layer the norms, attention and routers, and
+  // the held experts' keys and values.
+  const double params = 2 * V * d + V + 2 * d +
+                        G * (4 * d + 2 * hd * d + 2 * he * d + 2 * he * d * double(m.d_head) + Ef * d +
+                             2 * double(experts) * d * es);
+  // plan(): per logical layer its saved activations (ints counted as one element each); the
+  // residual streams; the shared gradient buffers; the FFN's hidden rows and their gradient; a
+  // chunk of logits.
+  const double per_layer = 3 * N * d + 4 * N + 4 * N * hd + double(B) * double(m.n_heads) * T * T + 4 * N * he +
+                           4 * N * hk + 2 * N * Ef + 2 * N * kf;
+  const double shared = (L + 1) * N * d + 4 * N * d + 2 * N + 4 * N * hd + N * he + N * hk + N * Ef + N * kf +
+                        2 * N * kf * es + std::min(N, 256.0) * V;
+  return {.parameters = 2 * params * sizeof(float), .activations = (L * per_layer + shared) * sizeof(float)};
+}
+
 template <typename T>
 Model<T>::Model(const ModelConfig& config)
     : Model(config, expert_shard(config.ff_n_experts, 1, 0)) {}

@@ -31,6 +31,14 @@ double residual_std_of(const T* rstd, int64_t rows) {
   return sum / double(rows);
 }
 
+// Host memory a Model<float> takes, in bytes, computed in floating point so that no size
+// overflows: parameters and their gradients (holding `experts` of the FFN experts), and the
+// activations and gradient buffers of a batch of B sequences, as Model::plan sizes them.
+struct ModelBytes {
+  double parameters, activations;
+};
+ModelBytes model_bytes(const ModelConfig& m, int64_t experts, int64_t B);
+
 template <typename T>
 class Model {
  public:

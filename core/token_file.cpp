@@ -154,17 +154,43 @@ uint32_t TokenFile::at(uint64_t i) const {
   return token_bytes_ == 2 ? uint32_t(p[0]) | uint32_t(p[1]) << 8 : load_le32(p);
 }
 
+void TokenFile::out_of_vocabulary(uint64_t i, uint32_t token) const {
+  fail(path_, "token out of vocabulary: token " + std::to_string(i) + " (byte offset " +
+                  std::to_string(kHeaderBytes + i * token_bytes_) + ") is " + std::to_string(token) +
+                  " but vocab_size is " + std::to_string(vocab_size_));
+}
+
 void TokenFile::read(uint64_t begin, std::span<int32_t> out) const {
   // Written so that a huge begin cannot wrap around: begin <= count_ is checked first.
   if (begin > count_ || out.size() > count_ - begin)
     fail(path_, "read out of range: tokens [" + std::to_string(begin) + ", " + std::to_string(begin + out.size()) +
                     ") of " + std::to_string(count_));
   const unsigned char* p = tokens_ + begin * token_bytes_;
+  uint32_t largest = 0;
   if (token_bytes_ == 2) {
-    for (size_t k = 0; k < out.size(); ++k, p += 2) out[k] = static_cast<int32_t>(uint32_t(p[0]) | uint32_t(p[1]) << 8);
+    for (size_t k = 0; k < out.size(); ++k, p += 2) {
+      const uint32_t t = uint32_t(p[0]) | uint32_t(p[1]) << 8;
+      largest = std::max(largest, t);
+      out[k] = static_cast<int32_t>(t);
+    }
   } else {
-    for (size_t k = 0; k < out.size(); ++k, p += 4) out[k] = static_cast<int32_t>(load_le32(p));
+    for (size_t k = 0; k < out.size(); ++k, p += 4) {
+      const uint32_t t = load_le32(p);
+      largest = std::max(largest, t);
+      out[k] = static_cast<int32_t>(t);
+    }
   }
+  // The loop above only keeps the largest token, so that the common case costs one comparison.
+  if (largest >= vocab_size_)
+    for (size_t k = 0; k < out.size(); ++k)
+      if (uint32_t(out[k]) >= vocab_size_) out_of_vocabulary(begin + k, uint32_t(out[k]));
+}
+
+void TokenFile::check_vocabulary() const {
+  constexpr uint64_t kChunk = 1 << 16;
+  std::vector<int32_t> buf(size_t(std::min(kChunk, count_)));
+  for (uint64_t begin = 0; begin < count_; begin += kChunk)
+    read(begin, std::span<int32_t>(buf.data(), size_t(std::min(kChunk, count_ - begin))));
 }
 
 namespace {

@@ -15,6 +15,7 @@ struct DataError : std::runtime_error {
 
 class TokenFile {
  public:
+  TokenFile() = default;                        // no file: size() is 0
   explicit TokenFile(const std::string& path);  // maps the file; throws DataError
   ~TokenFile();
   TokenFile(TokenFile&& other) noexcept;
@@ -26,8 +27,11 @@ class TokenFile {
   uint32_t vocab_size() const { return vocab_size_; }
   uint64_t size() const { return count_; }  // number of tokens
   uint32_t at(uint64_t i) const;            // token i, i < size()
-  // Copies tokens [begin, begin + out.size()) into out; throws DataError when out of range.
+  // Copies tokens [begin, begin + out.size()) into out; throws DataError when out of range or
+  // when a token is not below vocab_size() (naming the file, the token's offset and its value).
   void read(uint64_t begin, std::span<int32_t> out) const;
+  // Reads every token: throws DataError, as read() does, at the first one not below vocab_size().
+  void check_vocabulary() const;
 
  private:
   std::string path_;
@@ -37,6 +41,7 @@ class TokenFile {
   void* map_ = nullptr;
   size_t map_bytes_ = 0;
   const unsigned char* tokens_ = nullptr;
+  [[noreturn]] void out_of_vocabulary(uint64_t i, uint32_t token) const;
 };
 
 // Writes a token file atomically (temporary name, then rename). uint16 tokens when vocab_size

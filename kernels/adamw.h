@@ -9,9 +9,9 @@ struct AdamWHyper {
 };
 
 // One update of n parameters at step t (1-based). grad_scale multiplies every gradient first
-// (the clipping coefficient).
+// (the clipping coefficient). Returns whether every updated parameter is finite.
 template <typename T>
-void adamw_update(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWHyper& h, int64_t t,
+bool adamw_update(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWHyper& h, int64_t t,
                   double grad_scale);
 
 }  // namespace moeut

@@ -9,8 +9,9 @@
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/weights_file.h"
 #include "core/stop_request.h"
-#include "parallel/trainer.h"
 #include "parallel/mpi_communicator.h"
+#include "parallel/run_errors.h"
+#include "parallel/trainer.h"
 
 int main(int argc, char** argv) {
   using namespace moeut;
@@ -39,17 +40,22 @@ int main(int argc, char** argv) {
         }
       }
     }
+  } catch (const AgreedError& e) {
+    // Every rank throws it together, and one of them reports it (parallel/run_errors.h): a data
+    // error, a refused path or resource, a non-finite loss, gradient or update.
+    if (e.report) std::fprintf(stderr, "moeut-train: %s\n", e.what());
+    status = e.status;
   } catch (const ConfigError& e) {
     // Every rank reads the same configuration and refuses it alike, before any collective.
     if (rank == 0) std::fprintf(stderr, "moeut-train: %s\n", e.what());
-    status = 2;
+    status = kExitConfig;
   } catch (const CheckpointError& e) {
     // Every rank throws it together, with the same message (checkpoint.h).
     if (rank == 0) std::fprintf(stderr, "moeut-train: checkpoint: %s\n", e.what());
     status = 1;
   } catch (const std::invalid_argument& e) {  // a layout that cannot be built, e.g. --ep
     if (rank == 0) std::fprintf(stderr, "moeut-train: invalid configuration: %s\n", e.what());
-    status = 2;
+    status = kExitConfig;
   } catch (const std::exception& e) {
     // Possibly this rank alone: the others may be waiting in a collective, so stop them all.
     std::fprintf(stderr, "moeut-train: rank %d: error: %s\n", rank, e.what());

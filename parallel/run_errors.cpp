@@ -21,7 +21,7 @@ void end_together(std::span<const double> status_by_rank, const Communicator& wo
   const bool all = std::none_of(status_by_rank.begin(), status_by_rank.end(), [](double s) { return s == 0; });
   const bool report = world.rank() == reporter;
   std::string what = "an error on rank " + std::to_string(reporter);
-  if (report) what = (all || world.size() == 1 ? "" : "rank " + std::to_string(reporter) + ": ") + error;
+  if (report) what = (all ? "" : "rank " + std::to_string(reporter) + ": ") + error;
   throw AgreedError(what, int(*first), report);
 }
 

@@ -7,6 +7,7 @@
 
 #include "kernels/adamw.h"
 #include "kernels/grad_norm.h"
+#include "parallel/run_errors.h"
 
 namespace moeut {
 
@@ -26,12 +27,19 @@ double ShardedAdamW::step(std::span<float> params, std::span<float> grads, doubl
   double sq = sum_of_squares(grad_shard_.data(), int64_t(grad_shard_.size()));
   world_.all_reduce_sum(std::span<double>(&sq, 1));
   const double norm = std::sqrt(sq);
+  if (!std::isfinite(norm)) return norm;  // the same on every rank: the caller stops
   const AdamWHyper h{lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay};
   const double coef = clip_coefficient(norm, t.grad_clip);
   ++steps_;
+  double non_finite = 0;  // ranks whose update left a parameter that is not finite
   for (const ZeroBucket& b : buckets)
-    adamw_update(params.data() + b.offset + b.mine_offset, grad_shard_.data() + b.state_offset,
-                 m_.data() + b.state_offset, v_.data() + b.state_offset, b.mine, h, steps_, coef);
+    if (!adamw_update(params.data() + b.offset + b.mine_offset, grad_shard_.data() + b.state_offset,
+                      m_.data() + b.state_offset, v_.data() + b.state_offset, b.mine, h, steps_, coef))
+      non_finite = 1;
+  world_.all_reduce_sum(std::span<double>(&non_finite, 1));
+  if (non_finite > 0)
+    throw NonFiniteUpdate("the update left parameters that are not finite (on " + std::to_string(int(non_finite)) +
+                          " of " + std::to_string(world_.size()) + " ranks)");
   all_gather(params);
   return norm;
 }

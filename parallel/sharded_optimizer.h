@@ -21,7 +21,10 @@ class ShardedAdamW {
                int64_t bucket_elements = ZeroPartition::kDefaultBucket);
   // Sums grads over the ranks, clips to t.grad_clip by global norm, updates, and leaves the new
   // parameters on every rank. grads holds this rank's gradient (summed over its micro-batches)
-  // on entry and is undefined afterwards. Returns the global norm before clipping.
+  // on entry and is undefined afterwards. Returns the global norm before clipping; when it is
+  // not finite, without updating. Throws NonFiniteUpdate (parallel/run_errors.h) on every rank
+  // together when the update left a parameter that is not finite (each rank's own chunks are
+  // then updated, the others' not gathered).
   double step(std::span<float> params, std::span<float> grads, double lr, const TrainConfig& t);
   // Per tensor of `layout`, the sum of squares of this rank's chunks of the last step's summed
   // gradient; summed over the world's ranks, the squares of the tensors' gradient norms.

@@ -5,9 +5,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <thread>
@@ -16,6 +17,8 @@
 #include "core/rng.h"
 #include "core/schedule.h"
 #include "core/stop_request.h"
+#include "parallel/run_checks.h"
+#include "parallel/run_errors.h"
 
 namespace moeut {
 
@@ -110,17 +113,23 @@ bool use_gpu(const Config& c) {
 Trainer::Trainer(const Config& config, const ProcessGroups& groups)
     : cfg_(checked(config, groups)),
       groups_(groups),
-      local_batch_(cfg_.train.batch_size / groups.world->size()),
-      train_(open_data(cfg_.train.train_data, "train_data", cfg_.model)),
-      val_(open_data(cfg_.train.val_data, "val_data", cfg_.model)) {
+      local_batch_(cfg_.train.batch_size / groups.world->size()) {
   if (cfg_.train.threads > 0) omp_set_num_threads(int(cfg_.train.threads));
+  // What one rank alone may find wrong (the files as it sees them, its memory) ends every rank
+  // together, before the backend's collectives and before the first step.
+  agree_on(*groups_.world, [&] {
+    train_ = open_data(cfg_.train.train_data, "train_data", cfg_.model);  // its tokens are checked as read
+    val_ = open_data(cfg_.train.val_data, "val_data", cfg_.model);
+    val_.check_vocabulary();
+    check_outputs(cfg_.train, leader());
+    if (!use_gpu(cfg_)) check_host_memory(cfg_, groups_);
+    if (!leader()) return;
+    // A resumed run continues the metrics of the run it resumes.
+    metrics_.open(cfg_.train.metrics, cfg_.train.resume.empty() ? std::ios::trunc : std::ios::app);
+    if (!metrics_)
+      throw std::runtime_error("cannot write metrics file '" + shown(cfg_.train.metrics) + "': " + std::strerror(errno));
+  });
   backend_ = use_gpu(cfg_) ? make_gpu_backend(cfg_, groups) : make_cpu_backend(cfg_, groups);
-  if (!leader()) return;
-  const std::filesystem::path metrics(cfg_.train.metrics);
-  if (metrics.has_parent_path()) std::filesystem::create_directories(metrics.parent_path());
-  // A resumed run continues the metrics of the run it resumes.
-  metrics_.open(metrics, cfg_.train.resume.empty() ? std::ios::trunc : std::ios::app);
-  if (!metrics_) throw std::runtime_error("cannot write metrics file '" + cfg_.train.metrics + "'");
 }
 
 void Trainer::start_at(int64_t steps_done) {
@@ -176,10 +185,19 @@ double Trainer::run() {
     backend_->zero_gradients();
     // ce, reg_ffn, reg_att, residual_std, weighted by share of the global batch; then the ranks that
     // caught a stop signal and those that see the time limit coming, so every rank stops after the
-    // same step.
-    double parts[6] = {0, 0, 0, 0, 0, 0};
+    // same step; then each rank's data error (its exit status, 0: none).
+    std::vector<double> parts(size_t(6 + groups_.world->size()), 0.0);
+    std::string data_error;  // this rank's first bad token of the step
     for (int64_t first = 0; first < local_batch_; first += micro) {
-      sample_batch(train_, t.seed, step, first_sequence + first, micro, T, tokens.data());
+      try {
+        sample_batch(train_, t.seed, step, first_sequence + first, micro, T, tokens.data());
+      } catch (const DataError& e) {
+        // Agreed on with the step's losses below; meanwhile tokens that are valid keep this
+        // rank's collectives in step with the others'.
+        if (data_error.empty()) data_error = e.what();
+        std::fill(tokens.begin(), tokens.end(), 0);
+        parts[size_t(6 + groups_.world->rank())] = kExitDataError;
+      }
       const double share = double(micro) / double(t.batch_size);
       const LossParts part = backend_->forward_backward(tokens.data(), micro, share);
       parts[0] += share * part.ce;
@@ -189,14 +207,12 @@ double Trainer::run() {
     }
     parts[4] = stop_signal() != 0 ? 1 : 0;
     parts[5] = t.time_limit > 0 && elapsed + 2 * longest_iteration > t.time_limit ? 1 : 0;
-    groups_.world->all_reduce_sum(std::span<double>(parts, 6));
+    groups_.world->all_reduce_sum(std::span<double>(parts));
+    end_together(std::span<const double>(parts).subspan(6), *groups_.world, data_error);
     stopping_ = parts[4] > 0 || parts[5] > 0;
     const LossParts loss{.ce = parts[0], .reg_ffn = parts[1], .reg_att = parts[2], .residual_std = parts[3]};
-    if (!std::isfinite(loss.total()))  // the same on every rank: all stop together
-      throw std::runtime_error("step " + std::to_string(step + 1) + ": loss is not finite (" +
-                               std::to_string(loss.total()) + "); stopping before the weights are updated");
     const double lr = learning_rate(step, t);
-    const double norm = backend_->step(lr, t);
+    const double norm = update(step + 1, lr, loss);
     const double comm = backend_->take_communication_seconds();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     losses_.push_back(loss.total());
@@ -226,6 +242,41 @@ double Trainer::run() {
   const double final_loss = validation_loss(0);
   log_validation(t.steps, final_loss, true);
   return final_loss;
+}
+
+double Trainer::update(int64_t step, double lr, const LossParts& loss) {
+  // The loss and the norm are the same on every rank, the parameters' check is agreed on in the
+  // optimizer: every rank stops together, before the step's after_step hook (saves).
+  char loss_text[32];
+  std::snprintf(loss_text, sizeof loss_text, "%.6g", loss.total());
+  const std::string at = "step " + std::to_string(step) + ": ";
+  const std::string none_saved = "; stopped before anything of this step was saved";
+  double norm = 0;
+  try {
+    norm = backend_->step(lr, cfg_.train);
+  } catch (const NonFiniteUpdate& e) {
+    const std::vector<float> params = backend_->parameters();
+    const std::vector<TensorSpec>& tensors = backend_->layout().tensors();
+    std::vector<double> flags(tensors.size(), 0.0);  // NaN where a value is not finite; NaN survives the sum
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const float* begin = params.data() + tensors[i].offset;
+      if (!std::all_of(begin, begin + tensors[i].numel, [](float x) { return std::isfinite(x); })) flags[i] = NAN;
+    }
+    groups_.world->all_reduce_sum(std::span<double>(flags));
+    throw AgreedError(at + e.what() + ": " + non_finite_tensors(backend_->layout(), flags) + "; loss " + loss_text +
+                          "; a lower lr or a larger adam_eps avoids it" + none_saved,
+                      kExitNonFinite, leader());
+  }
+  if (std::isfinite(loss.total()) && std::isfinite(norm)) return norm;
+  std::vector<double> sums = backend_->gradient_square_sums();
+  groups_.world->all_reduce_sum(std::span<double>(sums));
+  const std::string what = std::isfinite(loss.total()) ? "the gradient is not finite (loss " + std::string(loss_text) + ")"
+                                                       : "loss is not finite (" + std::string(loss_text) + ")";
+  const bool named = std::any_of(sums.begin(), sums.end(), [](double s) { return !std::isfinite(s); });
+  throw AgreedError(at + what + (named ? "; gradient not finite in " + non_finite_tensors(backend_->layout(), sums)
+                                       : "; every tensor's gradient is finite") +
+                        none_saved,
+                    kExitNonFinite, leader());
 }
 
 std::vector<float> Trainer::full_parameters() {

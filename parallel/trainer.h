@@ -38,7 +38,8 @@ using CrossEntropySum = std::function<double(const int32_t* tokens, int64_t B)>;
 double evaluate(const CrossEntropySum& ce_sum, int64_t context, const TokenFile& data, int64_t micro_batch,
                 int64_t max_windows, Communicator& world);
 
-// Opens a token file for a model and checks it fits: same vocabulary, long enough.
+// Opens a token file for a model and checks it fits: same vocabulary, long enough (not its tokens:
+// TokenFile::read and check_vocabulary do).
 TokenFile open_data(const std::string& path, const char* option, const ModelConfig& m);
 
 class Trainer {
@@ -82,6 +83,10 @@ class Trainer {
   };
   // This rank's traffic with the ranks' largest and mean (a collective).
   Traffic gather_traffic(double comm_seconds, int64_t dispatch_bytes);
+  // The optimizer step after step `step`'s forward and backward passes: returns the gradient
+  // norm; throws AgreedError (kExitNonFinite, parallel/run_errors.h) on every rank when the loss,
+  // the gradient or the updated parameters are not finite, naming the tensors.
+  double update(int64_t step, double lr, const LossParts& loss);
   void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds, const Traffic& traffic);
   void log_validation(int64_t step, double loss, bool final);
   // With TrainConfig::grad_jump_factor: when this step's gradient norm exceeds that multiple of

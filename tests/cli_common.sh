@@ -16,6 +16,14 @@ tiny_corpus() {
   "$1/moeut-prepare-data" --input "$2/text.txt" --out_dir "$2/data" --vocab_size 48 --threads 1 > /dev/null
 }
 
+# fresh_corpus BIN_DIR WORK_DIR: WORK_DIR emptied, then tiny_corpus in it.
+fresh_corpus() {
+  rm -rf "$2" && mkdir -p "$2"
+  tiny_corpus "$1" "$2"
+}
+
+fail() { echo "FAIL: $*"; exit 1; }
+
 # The small model the CLI tests train (configs/tiny.cfg cut down), on tiny_corpus's data.
 small_model=(--config "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/configs/tiny.cfg" --n_tokens 48 --d_model 32 --n_heads 2
              --d_head 16 --ff_n_experts 8 --ff_k 2 --ff_expert_size 16 --context 32)

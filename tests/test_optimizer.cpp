@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <vector>
 
 #include "core/schedule.h"
 #include "parallel/sharded_optimizer.h"
@@ -16,11 +17,11 @@ TEST(AdamW, TwoStepsMatchTheDefinition) {
   const AdamWHyper h{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
   double p = 1.0, m = 0, v = 0;
   const double g1 = 0.5, g2 = -0.2;
-  adamw_update(&p, &g1, &m, &v, 1, h, 1, 1.0);
+  EXPECT_TRUE(adamw_update(&p, &g1, &m, &v, 1, h, 1, 1.0));
   // step 1: p *= 1 - lr*wd; m = 0.1 g; v = 0.001 g^2; mhat = g, vhat = g^2 -> p -= lr * g/(|g| + eps)
   double expect = 1.0 * (1 - 0.1 * 0.01) - 0.1 * 0.5 / (0.5 + 1e-8);
   EXPECT_NEAR(p, expect, 1e-12);
-  adamw_update(&p, &g2, &m, &v, 1, h, 2, 1.0);
+  EXPECT_TRUE(adamw_update(&p, &g2, &m, &v, 1, h, 2, 1.0));
   const double m2 = 0.9 * 0.05 + 0.1 * g2, v2 = 0.999 * 0.00025 + 0.001 * g2 * g2;
   expect = expect * (1 - 0.001) - 0.1 * (m2 / (1 - 0.81)) / (std::sqrt(v2 / (1 - 0.999 * 0.999)) + 1e-8);
   EXPECT_NEAR(p, expect, 1e-12);
@@ -30,11 +31,24 @@ TEST(AdamW, GradScaleIsAppliedBeforeTheMoments) {
   const AdamWHyper h{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0};
   double p1 = 0, m1 = 0, v1 = 0, p2 = 0, m2 = 0, v2 = 0;
   const double g = 4.0, half = 2.0;
-  adamw_update(&p1, &g, &m1, &v1, 1, h, 1, 0.5);
-  adamw_update(&p2, &half, &m2, &v2, 1, h, 1, 1.0);
+  EXPECT_TRUE(adamw_update(&p1, &g, &m1, &v1, 1, h, 1, 0.5));
+  EXPECT_TRUE(adamw_update(&p2, &half, &m2, &v2, 1, h, 1, 1.0));
   EXPECT_DOUBLE_EQ(m1, m2);
   EXPECT_DOUBLE_EQ(v1, v2);
   EXPECT_DOUBLE_EQ(p1, p2);
+}
+
+// The update reports, from its own pass, a parameter it left non-finite: here a float overflowed
+// by a step larger than float can hold.
+TEST(AdamW, ReportsAParameterItLeftNonFinite) {
+  const AdamWHyper h{.lr = 1e39, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0};
+  std::vector<float> p = {1, 2, 3}, m(3, 0.f), v(3, 0.f);
+  const std::vector<float> g = {0.f, 1.f, 0.f};
+  EXPECT_FALSE(adamw_update(p.data(), g.data(), m.data(), v.data(), 3, h, 1, 1.0));
+  EXPECT_FALSE(std::isfinite(p[1]));
+  const AdamWHyper small{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0};
+  std::vector<float> q = {1, 2, 3};
+  EXPECT_TRUE(adamw_update(q.data(), g.data(), m.data(), v.data(), 3, small, 1, 1.0));
 }
 
 TEST(GradNorm, SumOfSquaresAndClipCoefficient) {

@@ -216,3 +216,19 @@ TEST_F(TokenFileTest, ReadOutOfRange) {
 }
 
 }  // namespace
+
+// A token at or past the vocabulary (a corrupt file) is reported by read() and check_vocabulary()
+// with the file, the token's index and byte offset, and its value.
+TEST_F(TokenFileTest, ReadNamesTokenOutOfVocabulary) {
+  const std::string path = file("bad.bin");
+  std::string bytes = valid_u16_file(50);
+  bytes[32 + 2 * 37] = char(100);  // token 37: 100, one past the vocabulary of 100
+  write_raw(path, bytes);
+  TokenFile f(path);
+  std::vector<int32_t> out(10);
+  f.read(0, out);  // before the bad token: fine
+  expect_data_error([&] { f.read(30, out); }, path, "token 37 (byte offset 106) is 100 but vocab_size is 100");
+  expect_data_error([&] { f.check_vocabulary(); }, path, "token 37 (byte offset 106) is 100");
+  write_raw(file("good.bin"), valid_u16_file(50));
+  TokenFile(file("good.bin")).check_vocabulary();
+}

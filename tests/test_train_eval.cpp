@@ -6,9 +6,11 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <vector>
 
 #include "checkpoints/weights_file.h"
 #include "core/rng.h"
+#include "parallel/run_errors.h"
 #include "parallel/trainer.h"
 #include "small_config.h"
 
@@ -76,6 +78,7 @@ TEST(Training, ExportedWeightsEvaluateToTheFinalValidationLoss) {
   EXPECT_NEAR(again, final_loss, 1e-12 * final_loss);
 }
 
+// Start-up errors end every rank together (AgreedError), reported once, with their exit status.
 TEST(Training, RefusesDataOfAnotherVocabulary) {
   Config c = small_run("vocab");
   c.model.n_tokens = 50;
@@ -83,8 +86,10 @@ TEST(Training, RefusesDataOfAnotherVocabulary) {
     const ProcessGroups g = ProcessGroups::single();
     Trainer t(c, g);
     ADD_FAILURE() << "accepted data of vocabulary 40 for n_tokens 50";
-  } catch (const ConfigError& e) {
+  } catch (const AgreedError& e) {
     const std::string msg = e.what();
+    EXPECT_EQ(e.status, kExitConfig);
+    EXPECT_TRUE(e.report);
     EXPECT_NE(msg.find("n_tokens"), std::string::npos) << msg;
     EXPECT_NE(msg.find(c.train.train_data), std::string::npos) << msg;
   }
@@ -94,7 +99,46 @@ TEST(Training, RefusesMissingData) {
   Config c = small_run("missing");
   c.train.val_data = "/no/such/val.bin";
   const ProcessGroups g = ProcessGroups::single();
-  EXPECT_THROW((Trainer{c, g}), DataError);
+  try {
+    Trainer t(c, g);
+    ADD_FAILURE() << "accepted a missing validation file";
+  } catch (const AgreedError& e) {
+    EXPECT_EQ(e.status, kExitDataError);
+    EXPECT_NE(std::string(e.what()).find("/no/such/val.bin: cannot open"), std::string::npos) << e.what();
+  }
+}
+
+// Runs c, which must stop with kExitNonFinite before its first after_step hook (saves), with a
+// message holding each of `words`.
+void expect_non_finite_stop(const Config& c, const std::vector<std::string>& words) {
+  const ProcessGroups g = ProcessGroups::single();
+  Trainer t(c, g);
+  int64_t hooks = 0;
+  t.after_step([&](int64_t) { ++hooks; });
+  try {
+    t.run();
+    ADD_FAILURE() << "trained through a value that is not finite";
+  } catch (const AgreedError& e) {
+    EXPECT_EQ(e.status, kExitNonFinite);
+    for (const std::string& w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(hooks, 0);
+}
+
+// A gradient that is not finite names the step and the tensors whose gradient is not finite.
+TEST(Training, StopsAtANonFiniteGradientNamingTheTensors) {
+  Config c = small_run("nonfinite");
+  c.model.entropy_reg = 1e300;  // the regulariser's gradient overflows float
+  expect_non_finite_stop(c, {"step 1: the gradient is not finite", "gradient not finite in embedding.weight",
+                             " of 18 tensors)"});
+}
+
+// An update that leaves parameters non-finite (float overflow of a huge step) names the tensors.
+TEST(Training, StopsAtAnUpdateThatLeavesParametersNonFinite) {
+  Config c = small_run("nonfinite_update");
+  c.train.lr = 1e39;
+  c.train.warmup_steps = 0;
+  expect_non_finite_stop(c, {"step 1: the update left parameters that are not finite", "embedding.weight"});
 }
 
 TEST(Training, WarnsWhenTheResidualGrowsPastTheBoundOrOverflows) {

@@ -16,6 +16,7 @@
 #include "parallel/all_gather_dispatcher.h"
 #include "parallel/all_to_all_dispatcher.h"
 #include "parallel/mpi_communicator.h"
+#include "parallel/run_errors.h"
 #include "parallel/sharded_optimizer.h"
 
 namespace moeut {
@@ -207,6 +208,26 @@ TEST(ShardedOptimizer, TensorGradientNormsSumOverTheRanksToTheGlobalNorm) {
     total += sums[t];
   }
   EXPECT_NEAR(std::sqrt(total), norm, 1e-9 * norm);
+}
+
+// A data error on the last rank alone ends every rank together (no rank left in a collective),
+// with its status, reported once by that rank and naming it when others did not fail.
+TEST(RunErrors, AnErrorOnOneRankEndsEveryRankReportedOnce) {
+  const ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, g_ep);
+  const int last = world_size() - 1;
+  try {
+    agree_on(*groups.world, [&] {
+      if (world_rank() == last) throw DataError("x.bin: token out of vocabulary");
+    });
+    ADD_FAILURE() << "no error after one rank failed";
+  } catch (const AgreedError& e) {
+    EXPECT_EQ(e.status, kExitDataError);
+    EXPECT_EQ(e.report, world_rank() == last);
+    if (e.report)
+      EXPECT_EQ(std::string(e.what()),
+                (world_size() > 1 ? "rank " + std::to_string(last) + ": " : std::string()) + "x.bin: token out of vocabulary");
+  }
+  agree_on(*groups.world, [] {});  // nothing failed: returns on every rank
 }
 
 }  // namespace
