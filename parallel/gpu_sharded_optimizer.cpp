@@ -9,6 +9,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/grad_norm.h"
 #include "kernels/cast_cuda.h"
+#include "parallel/run_errors.h"
 
 namespace moeut {
 
@@ -22,7 +23,8 @@ GpuShardedAdamW::GpuShardedAdamW(const ParamLayout& layout, const ProcessGroups&
       master_(size_t(partition_.owned_elements())),
       m_(size_t(partition_.owned_elements())),
       v_(size_t(partition_.owned_elements())),
-      sq_(1) {
+      sq_(1),
+      non_finite_(1) {
   if (int64_t(initial.size()) != total_)
     throw std::invalid_argument("GpuShardedAdamW: " + std::to_string(initial.size()) + " initial values for " +
                                 std::to_string(total_) + " parameters");
@@ -31,6 +33,7 @@ GpuShardedAdamW::GpuShardedAdamW(const ParamLayout& layout, const ProcessGroups&
                                 size_t(b.mine) * sizeof(float), cudaMemcpyHostToDevice));
   MOEUT_CUDA_CHECK(cudaMemset(m_.get(), 0, m_.size() * sizeof(float)));
   MOEUT_CUDA_CHECK(cudaMemset(v_.get(), 0, v_.size() * sizeof(float)));
+  MOEUT_CUDA_CHECK(cudaMemset(non_finite_.get(), 0, sizeof(float)));
 }
 
 double GpuShardedAdamW::step(__nv_bfloat16* working, float* grads, double lr, const TrainConfig& t) {
@@ -47,15 +50,23 @@ double GpuShardedAdamW::step(__nv_bfloat16* working, float* grads, double lr, co
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(&sq, sq_.get(), sizeof(double), cudaMemcpyDeviceToHost, stream_));
   MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   const double norm = std::sqrt(sq);
+  if (!std::isfinite(norm)) return norm;  // the same on every rank: the caller stops
   const AdamWHyper h{lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay};
   const double coef = clip_coefficient(norm, t.grad_clip);
   ++steps_;
   for (const ZeroBucket& b : buckets) {
     const int64_t at = b.offset + b.mine_offset;
     cuda::adamw_update(master_.get() + b.state_offset, working + at, grads + at, m_.get() + b.state_offset,
-                       v_.get() + b.state_offset, b.mine, h, steps_, coef, stream_);
+                       v_.get() + b.state_offset, b.mine, h, steps_, coef, non_finite_.get(), stream_);
   }
+  world_.all_reduce_sum(std::span<float>(non_finite_.get(), 1));
   gather_working(working);
+  float non_finite = 0;  // ranks whose update left a master value that is not finite
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(&non_finite, non_finite_.get(), sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (non_finite > 0)
+    throw NonFiniteUpdate("the update left parameters that are not finite (on " + std::to_string(int(non_finite)) +
+                          " of " + std::to_string(world_.size()) + " ranks)");
   return norm;
 }
 

@@ -25,7 +25,11 @@ class GpuShardedAdamW {
                   cudaStream_t stream, int64_t bucket_elements = int64_t(1) << 26);
   // grads: this rank's gradient (summed over its micro-batches), undefined afterwards. Leaves
   // the updated working copy on every rank; returns the global norm before clipping (one
-  // device-to-host read).
+  // device-to-host read), without updating when it is not finite. The update flags a master
+  // value it leaves non-finite in its own pass; the flag, summed over the world, is read back
+  // after the working copy's all-gather (the step's end, where the trainer waits for its
+  // collectives anyway), and NonFiniteUpdate (parallel/run_errors.h) thrown on every rank
+  // together when it is set.
   double step(__nv_bfloat16* working, float* grads, double lr, const TrainConfig& t);
   // Per tensor of `layout`, the sum of squares of this rank's chunks of the summed gradient of
   // the last step (grads as step() left it: each owned chunk keeps its sum until the next
@@ -51,6 +55,7 @@ class GpuShardedAdamW {
   int64_t total_;
   cuda::DeviceBuffer<float> master_, m_, v_;
   cuda::DeviceBuffer<double> sq_;
+  cuda::DeviceBuffer<float> non_finite_;  // set by the update (adamw_update), never cleared: the run stops
   int64_t steps_ = 0;
 };
 

@@ -226,14 +226,21 @@ TEST_F(GpuTest, AdamWAndGradientNormMatchTheCpuReference) {
   const auto p0 = random_bf16_values(n, rng, 1.0), g = random_bf16_values(n, rng, 0.1);
   std::vector<float> p = p0, m(n, 0.f), v(n, 0.f);
   const AdamWHyper h{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
-  for (int64_t t = 1; t <= 3; ++t) adamw_update(p.data(), g.data(), m.data(), v.data(), n, h, t, 0.5);
+  for (int64_t t = 1; t <= 3; ++t) ASSERT_TRUE(adamw_update(p.data(), g.data(), m.data(), v.data(), n, h, t, 0.5));
   DeviceBuffer<float> gp(p0), gg(g), gm(std::vector<float>(n, 0.f)), gv(std::vector<float>(n, 0.f));
   DeviceBuffer<bf16> gwork(std::vector<bf16>(n, __float2bfloat16(NAN)));
-  for (int64_t t = 1; t <= 3; ++t) cuda::adamw_update(gp.get(), gwork.get(), gg.get(), gm.get(), gv.get(), n, h, t, 0.5, 0);
+  DeviceBuffer<float> non_finite(std::vector<float>{0.f});
+  for (int64_t t = 1; t <= 3; ++t)
+    cuda::adamw_update(gp.get(), gwork.get(), gg.get(), gm.get(), gv.get(), n, h, t, 0.5, non_finite.get(), 0);
+  EXPECT_EQ(non_finite.download()[0], 0.f) << "finite update flagged";
   EXPECT_LE(rel_error(gp.download(), p), 1e-6) << "master weights";
   EXPECT_LE(rel_error(gm.download(), m), 1e-6) << "first moment";
   EXPECT_LE(rel_error(gv.download(), v), 1e-6) << "second moment";
   EXPECT_LE(rel_error(to_float(gwork.download()), p), 1e-2) << "bf16 working copy";
+  // A step larger than float holds overflows the parameters: the update's own pass flags it.
+  const AdamWHyper huge{.lr = 1e39, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
+  cuda::adamw_update(gp.get(), nullptr, gg.get(), gm.get(), gv.get(), n, huge, 4, 0.5, non_finite.get(), 0);
+  EXPECT_EQ(non_finite.download()[0], 1.f) << "overflowed update not flagged";
 
   DeviceBuffer<double> sum(std::vector<double>{0.0});
   cuda::sum_of_squares(sum.get(), gg.get(), n, 0);
