@@ -347,7 +347,13 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
                 json_number(grad_norm, "%.8g").c_str(), json_number(loss.residual_std, "%.6g").c_str(), seconds,
                 tokens_per_s, eta, now, traffic.comm_seconds, traffic.comm_max, traffic.comm_mean,
                 (long long)traffic.dispatch_bytes, traffic.dispatch_max, traffic.dispatch_mean);
-  metrics_ << line << std::flush;
+  write_metrics(line);
+}
+
+void Trainer::write_metrics(const std::string& record) {
+  metrics_ << record << std::flush;
+  if (!metrics_)
+    throw std::runtime_error("cannot write metrics file '" + shown(cfg_.train.metrics) + "': " + std::strerror(errno));
 }
 
 void Trainer::warn_if_bound_to_one_cpu() {
@@ -426,7 +432,7 @@ void Trainer::log_expert_load(int64_t step) {
     line += "]}";
   }
   line += "], \"rank_rows_received\": " + max_mean(0) + ", \"rank_ffn_selections\": " + max_mean(ranks) + "}}\n";
-  metrics_ << line << std::flush;
+  write_metrics(line);
   // The summary: per kind, dead experts and usage perplexity summed over the physical layers.
   std::printf("experts, steps %lld-%lld:", (long long)first, (long long)step);
   for (ExpertKind kind : kExpertKinds) {
@@ -487,7 +493,7 @@ void Trainer::watch_gradient_norm(int64_t step, double grad_norm) {
                      ", \"tensor_grad_norms\": {";
   for (size_t t = 0; t < tensors.size(); ++t)
     line += (t ? ", \"" : "\"") + tensors[t].name + "\": " + json_number(std::sqrt(sums[t]), "%.6g");
-  metrics_ << line << "}}\n" << std::flush;
+  write_metrics(line + "}}\n");
 }
 
 void Trainer::log_validation(int64_t step, double loss, bool final) {
@@ -498,7 +504,7 @@ void Trainer::log_validation(int64_t step, double loss, bool final) {
   char line[256];
   std::snprintf(line, sizeof line, "{\"step\": %lld, \"val_loss\": %.10g, \"val_ppl\": %.8g, \"final\": %s}\n",
                 (long long)step, loss, std::exp(loss), final ? "true" : "false");
-  metrics_ << line << std::flush;
+  write_metrics(line);
 }
 
 }  // namespace moeut

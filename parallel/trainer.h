@@ -89,6 +89,9 @@ class Trainer {
   double update(int64_t step, double lr, const LossParts& loss);
   void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds, const Traffic& traffic);
   void log_validation(int64_t step, double loss, bool final);
+  // Rank 0 appends a record to the metrics file; throws naming the file and the system's reason
+  // (e.g. ENOSPC) when it is not written.
+  void write_metrics(const std::string& record);
   // With TrainConfig::grad_jump_factor: when this step's gradient norm exceeds that multiple of
   // the median of the steps' before it (up to 20, once 10 are known), logs each tensor's
   // gradient norm (a collective: every rank decides alike, from the same global norms).

@@ -7,7 +7,8 @@
 # - a training file with bad tokens over two ranks: exit 65, the file, offset and value printed
 #   once, no MPI abort;
 # - an update that leaves parameters non-finite: exit 3 naming the step and tensors, nothing
-#   saved from that step (no checkpoint, no weights), so --resume latest finds the step before.
+#   saved from that step (no checkpoint, no weights), so --resume latest finds the step before;
+# - a metrics file on a full disk: exit 1 with the path and "No space left on device".
 # Usage: cli_startup_checks.sh BIN_DIR MPIEXEC WORK_DIR
 set -euo pipefail
 bin=$(cd "$1" && pwd) mpiexec=$2 work=$3
@@ -87,4 +88,10 @@ for attempt in first second; do
   [ ! -e "$work/ckpt/step_00000002" ] && [ ! -e "$work/ckpt/.step_00000002.tmp" ] && [ ! -e "$work/w.h5" ] ||
     fail "$attempt: saved from non-finite state"
 done
+# A full disk under the metrics file: the first record's write fails with the system's reason.
+status=0
+"$bin/moeut-train" --threads 1 "${run[@]}" "${model[@]}" "${data[@]}" --metrics /dev/full \
+  --out_weights "$work/w.h5" > "$work/full.txt" 2>&1 || status=$?
+[ "$status" = 1 ] && grep -q "cannot write metrics file '/dev/full': No space left on device" "$work/full.txt" ||
+  { cat "$work/full.txt"; fail "a full disk under the metrics file: exit $status"; }
 echo "startup checks: ok"
