@@ -86,7 +86,10 @@ po::options_description train_options(TrainConfig& t) {
        "or a fresh start when there is none)")
       ("time_limit", po::value(&t.time_limit)->default_value(t.time_limit),
        "wall-clock seconds the steps may take from the first: a checkpoint is saved and the run stops (exit status "
-       "75) before them (0: none)");
+       "75) before them (0: none)")
+      ("hang_timeout", po::value(&t.hang_timeout)->default_value(t.hang_timeout),
+       "seconds a rank may wait in one collective before the run ends naming the rank, group and operation "
+       "(exit status 4; 0: off)");
   return o;
 }
 
@@ -205,6 +208,7 @@ void validate(const Config& c) {
   if ((t.resume == "latest" || t.resume == "auto") && t.checkpoint_dir.empty())
     fail("resume", t.resume + " needs checkpoint_dir");
   require_range("time_limit", t.time_limit, 0, INFINITY, "must be finite and >= 0 (0: no limit)");
+  require_range("hang_timeout", t.hang_timeout, 0, INFINITY, "must be finite and >= 0 (0: off)");
 }
 
 bool parse_train_args(int argc, const char* const* argv, Config& out) {

@@ -78,6 +78,9 @@ struct TrainConfig {
   // runs (start-up and loading not included): the run saves and stops (kExitStopped) while twice
   // its longest step (validation and saves included) still fits; 0: no limit.
   double time_limit = 0;
+  // Seconds a rank may wait in one collective, or for its device's work with the collectives in
+  // it, before the run ends naming the rank, group and operation (core/hang_watchdog.h); 0: off.
+  double hang_timeout = 600;
 };
 
 struct Config {

@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "core/hang_watchdog.h"
 #include "kernels/cast_cuda.h"
 #include "kernels/cuda_check.h"
 #include "kernels/embedding_cuda.h"
@@ -378,7 +379,10 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
   profiler_.clear();  // the profile is the last pass's
   if (graphs() && pass != Pass::kEvaluate) enqueue_graphed(B, weight, pass);
   else enqueue(B, weight, pass);
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  {
+    const Waiting waiting("the GPU's pass (its expert exchanges among its work)", "expert-parallel");
+    MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   LossParts out;
   out.ce = std::accumulate(row_loss_host_.get(), row_loss_host_.get() + N, 0.0) / double(N);
   out.reg_ffn = reg_loss_host_.get()[0] / weight;

@@ -8,6 +8,7 @@
 
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/weights_file.h"
+#include "core/hang_watchdog.h"
 #include "core/stop_request.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/run_errors.h"
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
     if (parse_train_args(argc, argv, config)) {
       const ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, int(config.train.ep));
       install_stop_handlers();
+      start_hang_watchdog(config.train.hang_timeout, rank);
       Trainer trainer(config, groups);
       setup_checkpoints(trainer);
       trainer.run();

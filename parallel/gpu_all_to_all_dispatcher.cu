@@ -4,6 +4,7 @@
 
 #include <numeric>
 
+#include "core/hang_watchdog.h"
 #include "kernels/cuda_check.h"
 
 namespace moeut {
@@ -141,7 +142,10 @@ int64_t GpuAllToAllDispatcher::dispatch(Route& made, const bf16* x, const int32_
   }
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(counts.data(), send_counts_.get(), size_t(ranks_) * sizeof(int32_t),
                                    cudaMemcpyDeviceToHost, stream_));
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  {
+    const Waiting waiting("the GPU's work before a token exchange (the previous exchanges among it)", comm_.name());
+    MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   route.sent.assign(counts.begin(), counts.end());
   route.received = comm_.all_to_all(route.sent);
   route.received_rows = std::accumulate(route.received.begin(), route.received.end(), int64_t(0));

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/hang_watchdog.h"
 #include "kernels/adamw_cuda.h"
 #include "kernels/cuda_check.h"
 #include "kernels/grad_norm.h"
@@ -48,7 +49,10 @@ double GpuShardedAdamW::step(__nv_bfloat16* working, float* grads, double lr, co
   world_.all_reduce_sum(std::span<double>(sq_.get(), 1));
   double sq = 0;
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(&sq, sq_.get(), sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  {
+    const Waiting waiting("the GPU's gradient reduce-scatter and norm", world_.name());
+    MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   const double norm = std::sqrt(sq);
   if (!std::isfinite(norm)) return norm;  // the same on every rank: the caller stops
   const AdamWHyper h{lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay};
@@ -63,7 +67,10 @@ double GpuShardedAdamW::step(__nv_bfloat16* working, float* grads, double lr, co
   gather_working(working);
   float non_finite = 0;  // ranks whose update left a master value that is not finite
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(&non_finite, non_finite_.get(), sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  {
+    const Waiting waiting("the GPU's update and parameter all-gather", world_.name());
+    MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   if (non_finite > 0)
     throw NonFiniteUpdate("the update left parameters that are not finite (on " + std::to_string(int(non_finite)) +
                           " of " + std::to_string(world_.size()) + " ranks)");

@@ -3,6 +3,8 @@
 #include <limits>
 #include <numeric>
 
+#include "core/hang_watchdog.h"
+
 namespace moeut {
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name) : comm_(comm), name_(std::move(name)) {
@@ -37,15 +39,18 @@ std::vector<int> MpiCommunicator::to_int(std::span<const int64_t> counts, const 
 }
 
 void MpiCommunicator::all_reduce_sum(std::span<double> data) {
+  const Waiting waiting("MPI_Allreduce", name_);
   check(MPI_Allreduce(MPI_IN_PLACE, data.data(), int(data.size()), MPI_DOUBLE, MPI_SUM, comm_), "MPI_Allreduce");
 }
 
 void MpiCommunicator::all_reduce_sum(std::span<float> data) {
+  const Waiting waiting("MPI_Allreduce", name_);
   check(MPI_Allreduce(MPI_IN_PLACE, data.data(), int(data.size()), MPI_FLOAT, MPI_SUM, comm_), "MPI_Allreduce");
 }
 
 std::vector<int64_t> MpiCommunicator::all_to_all(std::span<const int64_t> send) {
   std::vector<int64_t> recv(static_cast<size_t>(size_));
+  const Waiting waiting("MPI_Alltoall", name_);
   check(MPI_Alltoall(send.data(), 1, MPI_INT64_T, recv.data(), 1, MPI_INT64_T, comm_), "MPI_Alltoall");
   return recv;
 }
@@ -56,6 +61,7 @@ void MpiCommunicator::all_to_all_v(const void* send, std::span<const int64_t> sc
   std::vector<int> sdispl(scount.size(), 0), rdispl(rcount.size(), 0);
   std::exclusive_scan(scount.begin(), scount.end(), sdispl.begin(), 0);
   std::exclusive_scan(rcount.begin(), rcount.end(), rdispl.begin(), 0);
+  const Waiting waiting(op, name_);
   check(MPI_Alltoallv(send, scount.data(), sdispl.data(), type, recv, rcount.data(), rdispl.data(), type, comm_), op);
 }
 
@@ -77,6 +83,7 @@ void MpiCommunicator::all_to_all_v(const uint16_t* send, std::span<const int64_t
 void MpiCommunicator::reduce_scatter_sum(std::span<const float> data, std::span<float> mine,
                                          std::span<const int64_t> counts) {
   const std::vector<int> c = to_int(counts, "MPI_Reduce_scatter");
+  const Waiting waiting("MPI_Reduce_scatter", name_);
   check(MPI_Reduce_scatter(data.data(), mine.data(), c.data(), MPI_FLOAT, MPI_SUM, comm_), "MPI_Reduce_scatter");
 }
 
@@ -84,6 +91,7 @@ void MpiCommunicator::all_gather_v(void* data, std::span<const int64_t> counts, 
   const std::vector<int> c = to_int(counts, op);
   std::vector<int> displ(c.size(), 0);
   std::exclusive_scan(c.begin(), c.end(), displ.begin(), 0);
+  const Waiting waiting(op, name_);
   check(MPI_Allgatherv(MPI_IN_PLACE, 0, type, data, c.data(), displ.data(), type, comm_), op);
 }
 
