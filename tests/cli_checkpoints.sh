@@ -13,7 +13,6 @@
 set -euo pipefail
 bin=$(cd "$1" && pwd) mpiexec=$2 work=$3
 rm -rf "$work" && mkdir -p "$work"
-fail() { echo "FAIL: $*"; exit 1; }
 
 . "$(dirname "$0")/cli_common.sh"
 tiny_corpus "$bin" "$work"

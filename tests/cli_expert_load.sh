@@ -8,11 +8,8 @@
 set -euo pipefail
 bin=$1 mpiexec=$2 work=$3
 root=$(cd "$(dirname "$0")/.." && pwd)
-rm -rf "$work" && mkdir -p "$work"
-fail() { echo "FAIL: $*"; exit 1; }
-
 . "$(dirname "$0")/cli_common.sh"
-tiny_corpus "$bin" "$work"
+fresh_corpus "$bin" "$work"
 "$mpiexec" -np 2 --oversubscribe --bind-to none "$bin/moeut-train" "${small_model[@]}" --steps 6 --batch_size 4 \
   --micro_batch_size 2 --eval_every 0 --threads 1 --ep 2 --device cpu --log_experts_every 3 \
   --train_data "$work/data/train.bin" --val_data "$work/data/val.bin" --metrics "$work/metrics.jsonl" > "$work/train.txt"

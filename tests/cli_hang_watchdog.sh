@@ -6,11 +6,8 @@
 # Usage: cli_hang_watchdog.sh BIN_DIR MPIEXEC WORK_DIR
 set -euo pipefail
 bin=$1 mpiexec=$2 work=$3
-rm -rf "$work" && mkdir -p "$work"
-fail() { echo "FAIL: $*"; exit 1; }
-
 . "$(dirname "$0")/cli_common.sh"
-tiny_corpus "$bin" "$work"
+fresh_corpus "$bin" "$work"
 train() {
   "$mpiexec" -np 2 --oversubscribe --bind-to none "$bin/moeut-train" "${small_model[@]}" --batch_size 4 \
     --micro_batch_size 2 --eval_every 0 --threads 1 --ep 2 --device cpu --hang_timeout 3 \

@@ -10,11 +10,8 @@
 # Usage: cli_preemption.sh BIN_DIR MPIEXEC WORK_DIR
 set -euo pipefail
 bin=$1 mpiexec=$2 work=$3
-rm -rf "$work" && mkdir -p "$work"
-fail() { echo "FAIL: $*"; exit 1; }
-
 . "$(dirname "$0")/cli_common.sh"
-tiny_corpus "$bin" "$work"
+fresh_corpus "$bin" "$work"
 
 train() {
   # shellcheck disable=SC2086  # MOEUT_MPI_BIND: mpirun options, split into words
