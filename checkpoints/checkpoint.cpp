@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -13,6 +15,7 @@
 #include <thread>
 
 #include "checkpoints/shard_file.h"
+#include "core/write_error.h"
 
 namespace fs = std::filesystem;
 
@@ -24,75 +27,56 @@ constexpr const char* kManifest = "manifest.h5";
 [[noreturn]] void fail(const std::string& path, const std::string& what) { throw CheckpointError(path + ": " + what); }
 
 // Runs `local` (no collectives in it) on every rank, then agrees on the outcome: if it threw
-// anywhere, every rank throws CheckpointError with the message of the lowest failing rank.
+// anywhere, every rank throws the error of the lowest failing rank, with its message: a
+// WriteError as such, anything else as CheckpointError.
 void agree(Communicator& world, const std::function<void()>& local) {
   std::string error;
+  bool write_error = false;
   try {
     local();
+  } catch (const WriteError& e) {
+    error = *e.what() ? e.what() : "unknown error";
+    write_error = true;
   } catch (const std::exception& e) {
     error = *e.what() ? e.what() : "unknown error";
   }
-  std::vector<double> lengths(size_t(world.size()), 0.0);
+  // Each rank's message length, then whether it was a WriteError.
+  const size_t n = size_t(world.size());
+  std::vector<double> lengths(2 * n, 0.0);
   lengths[size_t(world.rank())] = double(error.size());
+  lengths[n + size_t(world.rank())] = write_error ? 1 : 0;
   world.all_reduce_sum(lengths);
-  const auto first = std::find_if(lengths.begin(), lengths.end(), [](double n) { return n > 0; });
-  if (first == lengths.end()) return;
-  std::vector<int64_t> counts(lengths.begin(), lengths.end());
+  const auto first = std::find_if(lengths.begin(), lengths.begin() + ptrdiff_t(n), [](double x) { return x > 0; });
+  if (first == lengths.begin() + ptrdiff_t(n)) return;
+  std::vector<int64_t> counts(lengths.begin(), lengths.begin() + ptrdiff_t(n));
   std::vector<int64_t> offsets(counts.size(), 0);
   for (size_t r = 1; r < counts.size(); ++r) offsets[r] = offsets[r - 1] + counts[r - 1];
   std::vector<int32_t> text(size_t(offsets.back() + counts.back()));
   std::copy(error.begin(), error.end(), text.begin() + offsets[size_t(world.rank())]);
   world.all_gather_v(std::span<int32_t>(text), counts);
   const size_t r = size_t(first - lengths.begin());
-  throw CheckpointError(std::string(text.begin() + offsets[r], text.begin() + offsets[r] + counts[r]));
+  const std::string message(text.begin() + offsets[r], text.begin() + offsets[r] + counts[r]);
+  if (lengths[n + r] > 0) throw WriteError(message);
+  throw CheckpointError(message);
+}
+
+// Runs one part of a save: whatever fails in it is a failed write (WriteError).
+void writing(const std::function<void()>& part) {
+  try {
+    part();
+  } catch (const WriteError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw WriteError(e.what());
+  }
 }
 
 void fsync_path(const std::string& path, bool directory) {
   const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
   const bool ok = fd >= 0 && ::fsync(fd) == 0;
+  const std::string reason = std::strerror(errno);
   if (fd >= 0) ::close(fd);
-  if (!ok) fail(path, "cannot fsync");
-}
-
-// Beside a step directory, a name that no reader takes for a checkpoint: .step_<N>.<what>
-fs::path hidden(const fs::path& step_dir, const char* what) {
-  std::string name = ".";
-  name += step_dir.filename().string();
-  name += '.';
-  name += what;
-  return step_dir.parent_path() / name;
-}
-
-// Step of a complete checkpoint directory name (step_<digits> holding a manifest), or -1.
-int64_t checkpoint_step(const fs::directory_entry& e) {
-  const std::string name = e.path().filename().string();
-  if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 ||
-      !std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
-    return -1;
-  if (!e.is_directory() || !fs::exists(e.path() / kManifest)) return -1;
-  return std::stoll(name.substr(5));
-}
-
-std::map<int64_t, fs::path> complete_checkpoints(const std::string& dir) {
-  std::map<int64_t, fs::path> out;
-  if (!fs::is_directory(dir)) return out;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir))
-    if (const int64_t step = checkpoint_step(e); step >= 0) out[step] = e.path();
-  return out;
-}
-
-// Deletes the oldest checkpoints beyond `keep`. Each is renamed away first, so a kill while
-// deleting never leaves a partial step_<N> directory that looks complete.
-void remove_old(const std::string& dir, int64_t keep) {
-  std::map<int64_t, fs::path> all = complete_checkpoints(dir);
-  while (keep > 0 && int64_t(all.size()) > keep) {
-    const fs::path old = all.begin()->second;
-    const fs::path doomed = hidden(old, "deleting");
-    fs::remove_all(doomed);
-    fs::rename(old, doomed);
-    fs::remove_all(doomed);
-    all.erase(all.begin());
-  }
+  if (!ok) fail(path, "cannot fsync: " + reason);
 }
 
 // The checks every rank makes before reading a byte of tensor data; the model is compared
@@ -154,17 +138,6 @@ void read_needs(PieceReader& reader, const Manifest& m, Kind kind, const std::ve
 
 }  // namespace
 
-std::string step_directory(const std::string& checkpoint_dir, int64_t step) {
-  char name[32];
-  std::snprintf(name, sizeof name, "step_%08lld", (long long)step);
-  return (fs::path(checkpoint_dir) / name).string();
-}
-
-std::string latest_checkpoint(const std::string& checkpoint_dir) {
-  const std::map<int64_t, fs::path> all = complete_checkpoints(checkpoint_dir);
-  return all.empty() ? "" : all.rbegin()->second.string();
-}
-
 struct CheckpointWriter::Pending {
   int64_t step = 0, optimizer_steps = 0;
   std::string target;
@@ -175,6 +148,20 @@ struct CheckpointWriter::Pending {
   std::string error;   // what the writer threw, if it did
   double bytes = 0;    // of this rank's file
 };
+
+// Agrees on `local` (agree() above). When it failed anywhere, rank 0 removes what the save had
+// written (its .tmp directory), so that a failed save leaves nothing but the checkpoints before it.
+void CheckpointWriter::agree_or_discard(const Pending& p, const std::function<void()>& local) {
+  Communicator& world = *groups_.world;
+  try {
+    agree(world, local);
+  } catch (const std::exception&) {
+    std::error_code ec;
+    if (world.rank() == 0 && fs::remove_all(p.tmp, ec) == static_cast<std::uintmax_t>(-1))
+      std::fprintf(stderr, "warning: %s: cannot remove the failed save: %s\n", p.tmp.c_str(), ec.message().c_str());
+    throw;
+  }
+}
 
 CheckpointWriter::CheckpointWriter(std::string checkpoint_dir, int64_t keep, const Config& c,
                                    const ProcessGroups& groups, TrainingBackend& backend)
@@ -194,19 +181,24 @@ std::optional<SaveReport> CheckpointWriter::start(int64_t step) {
   p->tmp = hidden(p->target, "tmp");
   const bool leader = world.rank() == 0;
   agree(world, [&] {
+    if (leader && fs::exists(p->target)) fail(p->target, "exists already; a checkpoint is never overwritten");
+  });
+  agree_or_discard(*p, [&] {
     if (!leader) return;
-    if (fs::exists(p->target)) fail(p->target, "exists already; a checkpoint is never overwritten");
-    fs::remove_all(p->tmp);  // left by a save that was killed
-    fs::create_directories(p->tmp);
+    writing([&] {
+      fs::remove_all(p->tmp);  // left by a save that was killed
+      fs::create_directories(p->tmp);
+    });
   });
   OptimizerShard shard;
-  agree(world, [&] { shard = backend_.optimizer_shard(); });  // off the device, if there
+  agree_or_discard(*p, [&] { shard = backend_.optimizer_shard(); });  // off the device, if there
   p->optimizer_steps = shard.steps;
   const std::string path = (p->tmp / rank_file_name(world.rank())).string();
   const ShardHeader header{world.rank(), world.size(), groups_.ep(), backend_.layout().shard(), step, shard.steps,
                            config_.train.seed};
   std::vector<OwnedRange> ranges = owned_ranges(backend_.layout(), backend_.partition());
   Pending* const q = p.get();
+  // Nothing thrown leaves the thread: finish() hands what it caught to every rank.
   p->writer = std::thread([q, path, header, ranges = std::move(ranges), shard = std::move(shard), model = config_.model] {
     try {
       write_shard_file(path, header, ParamLayout(model), ranges, shard);
@@ -226,13 +218,13 @@ std::optional<SaveReport> CheckpointWriter::finish() {
   const auto wait_begin = std::chrono::steady_clock::now();
   p->writer.join();
   Communicator& world = *groups_.world;
-  agree(world, [&] {
-    if (!p->error.empty()) throw std::runtime_error(p->error);
+  agree_or_discard(*p, [&] {
+    if (!p->error.empty()) throw WriteError(p->error);
   });
   double bytes = p->bytes;
   world.all_reduce_sum(std::span<double>(&bytes, 1));
   SaveReport report{p->target, p->step, world.size() + 1, int64_t(bytes), 0, 0};
-  agree(world, [&] {
+  agree_or_discard(*p, [&] {
     if (world.rank() != 0) return;
     const ParamLayout full(config_.model);
     Manifest m;
@@ -245,19 +237,31 @@ std::optional<SaveReport> CheckpointWriter::finish() {
     for (int64_t j = 0; j < m.ep; ++j) m.expert_shards.push_back(expert_shard(config_.model.ff_n_experts, m.ep, j));
     for (int64_t r = 0; r < m.world_size; ++r) {
       const std::string name = rank_file_name(r), path = (p->tmp / name).string();
-      const std::vector<Piece> pieces = read_shard_index(path, name, r, p->step, full);
+      const ShardHeader expected{.rank = r,
+                                 .world_size = m.world_size,
+                                 .ep = m.ep,
+                                 .experts = m.expert_shards[size_t(r % m.ep)],
+                                 .step = m.step,
+                                 .optimizer_steps = m.optimizer_steps,
+                                 .seed = m.train.seed};
+      const std::vector<Piece> pieces = read_shard_index(path, name, expected, full);
       m.pieces.insert(m.pieces.end(), pieces.begin(), pieces.end());
       m.files.push_back(name);
       m.file_bytes.push_back(int64_t(fs::file_size(path)));
     }
-    const std::string manifest = (p->tmp / kManifest).string();
-    write_manifest(manifest, m);
-    fsync_path(manifest, false);
-    fsync_path(p->tmp.string(), true);
-    report.bytes += int64_t(fs::file_size(manifest));
-    fs::rename(p->tmp, p->target);  // the checkpoint appears whole, or not at all
-    fsync_path(dir_, true);
-    remove_old(dir_, keep_);
+    writing([&] {
+      const std::string manifest = (p->tmp / kManifest).string();
+      write_manifest(manifest, m);
+      fsync_path(manifest, false);
+      fsync_path(p->tmp.string(), true);
+      report.bytes += int64_t(fs::file_size(manifest));
+      fs::rename(p->tmp, p->target);  // the checkpoint appears whole, or not at all
+      fsync_path(dir_, true);
+      // Rotation: the oldest beyond `keep` go.
+      std::map<int64_t, fs::path> all = complete_checkpoints(dir_);
+      for (auto it = all.begin(); keep_ > 0 && int64_t(all.size()) > keep_; it = all.erase(it))
+        discard_checkpoint(it->second);
+    });
   });
   const auto now = std::chrono::steady_clock::now();
   report.seconds = std::chrono::duration<double>(now - p->begin).count();
@@ -284,7 +288,7 @@ Manifest load_checkpoint(const std::string& dir, const Config& c, const ProcessG
     shard.m.resize(n);
     shard.v.resize(n);
     shard.steps = m.optimizer_steps;
-    PieceReader reader(dir, m.step);
+    PieceReader reader(dir, m);
     for (Kind k : kKinds) {
       std::vector<float>& to = k == Kind::kParam ? shard.master : k == Kind::kExpAvg ? shard.m : shard.v;
       std::vector<Need> needs;
@@ -304,7 +308,7 @@ CheckpointWeights read_checkpoint_weights(const std::string& dir) {
     w.params.resize(size_t(layout.total()));
     std::vector<Need> needs;
     for (const TensorSpec& t : layout.tensors()) needs.push_back({t.name, 0, t.numel, w.params.data() + t.offset});
-    PieceReader reader(dir, m.step);
+    PieceReader reader(dir, m);
     read_needs(reader, m, Kind::kParam, needs);
     return w;
   } catch (const CheckpointError&) {
@@ -359,7 +363,19 @@ void setup_checkpoints(Trainer& trainer) {
   Communicator& world = *groups.world;
   const bool leader = world.rank() == 0;
   int64_t start = 0;
-  if (!t.checkpoint_dir.empty()) check_shared(world, t.checkpoint_dir);
+  // Rank 0 holds the directory's lock from here until the trainer lets go of its hook.
+  std::shared_ptr<CheckpointLock> lock;
+  if (!t.checkpoint_dir.empty()) {
+    check_shared(world, t.checkpoint_dir);
+    agree(world, [&] {
+      if (!leader) return;
+      auto note = [](const std::string& what) { std::printf("note: %s\n", what.c_str()); };
+      lock = std::make_shared<CheckpointLock>(t.checkpoint_dir, note);
+      for (const std::string& path : remove_stale_directories(t.checkpoint_dir))
+        note("removed " + path + ", left by a save or deletion that did not finish");
+      std::fflush(stdout);
+    });
+  }
   std::string dir = t.resume;
   agree(world, [&] {
     if (t.resume != "latest" && t.resume != "auto") return;
@@ -373,7 +389,18 @@ void setup_checkpoints(Trainer& trainer) {
   }
   if (!dir.empty()) {
     const auto begin = std::chrono::steady_clock::now();
-    const Manifest m = load_checkpoint(dir, c, groups, trainer.backend());
+    const Manifest m = [&] {
+      try {
+        return load_checkpoint(dir, c, groups, trainer.backend());
+      } catch (const CheckpointError& e) {
+        // The same on every rank: they see the same directory.
+        const std::map<int64_t, fs::path> all = complete_checkpoints(t.checkpoint_dir);
+        if (t.resume != "latest" && t.resume != "auto") throw;
+        if (all.size() < 2) throw;
+        throw CheckpointError(std::string(e.what()) + "; to continue from the checkpoint before it: --resume " +
+                              std::prev(all.end(), 2)->second.string() + " --discard_newer_checkpoints");
+      }
+    }();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     if (m.step > t.steps)  // the same on every rank: they read the same manifest
       fail(dir, "is at step " + std::to_string(m.step) + ", beyond --steps " + std::to_string(t.steps));
@@ -389,6 +416,7 @@ void setup_checkpoints(Trainer& trainer) {
   if (t.checkpoint_dir.empty()) return;
   // Saves go to steps after `start`; a complete checkpoint there belongs to another run (or
   // to this one beyond the step resumed from), and would be overwritten or rotated away.
+  // With --discard_newer_checkpoints, rank 0 deletes those beyond the resumed step instead.
   agree(world, [&] {
     const std::map<int64_t, fs::path> all = complete_checkpoints(t.checkpoint_dir);
     const auto beyond = all.upper_bound(start);
@@ -396,13 +424,26 @@ void setup_checkpoints(Trainer& trainer) {
     if (start == 0)
       fail(t.checkpoint_dir, "holds checkpoints already (the newest is " + all.rbegin()->second.filename().string() +
                                  "); continue them with --resume latest, or choose another checkpoint_dir");
-    fail(beyond->second.string(), "is beyond the resumed step " + std::to_string(start) +
-                                      " and would be overwritten; choose another checkpoint_dir");
+    if (!t.discard_newer_checkpoints)
+      fail(beyond->second.string(), "is beyond the resumed step " + std::to_string(start) +
+                                        " and would be overwritten; --discard_newer_checkpoints deletes the "
+                                        "checkpoints beyond it, or choose another checkpoint_dir");
+  });
+  agree(world, [&] {
+    if (!leader || !t.discard_newer_checkpoints) return;
+    const std::map<int64_t, fs::path> all = complete_checkpoints(t.checkpoint_dir);
+    for (auto it = all.upper_bound(start); it != all.end(); ++it) {
+      std::printf("--discard_newer_checkpoints: deleting %s (beyond the resumed step %lld)\n", it->second.c_str(),
+                  (long long)start);
+      std::fflush(stdout);
+      discard_checkpoint(it->second);
+    }
   });
   // Saves before the last are written beside the steps that follow (the next save, or the last,
   // finishes them); the last one, and one for a stop, is whole before the run goes on.
   auto writer = std::make_shared<CheckpointWriter>(t.checkpoint_dir, t.keep_checkpoints, c, groups, trainer.backend());
-  trainer.after_step([&trainer, writer, leader](int64_t step) {
+  // The hook holds the lock (rank 0) and the writer for as long as the trainer holds the hook.
+  trainer.after_step([&trainer, writer, lock, leader](int64_t step) {
     const TrainConfig& t = trainer.config().train;
     const bool last = step == t.steps || trainer.stopping();
     if (!(last || (t.checkpoint_every > 0 && step % t.checkpoint_every == 0))) return;

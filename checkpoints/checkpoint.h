@@ -3,12 +3,14 @@
 // appears by one rename when all of it is on disk. Any layout reads any checkpoint back.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "checkpoints/checkpoint_dir.h"
 #include "checkpoints/manifest.h"
 #include "parallel/trainer.h"
 #include "parallel/training_backend.h"
@@ -21,11 +23,6 @@ namespace moeut {
 struct CheckpointError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-
-std::string step_directory(const std::string& checkpoint_dir, int64_t step);  // <dir>/step_<NNNNNNNN>
-// The complete checkpoint of the highest step in checkpoint_dir, "" when there is none.
-// Directories being written or deleted (.step_<N>.tmp, .step_<N>.deleting) do not count.
-std::string latest_checkpoint(const std::string& checkpoint_dir);
 
 struct SaveReport {
   std::string directory;
@@ -40,7 +37,9 @@ struct SaveReport {
 // a thread of its own; finish() waits for every rank's file, rank 0 adds the manifest, the step
 // directory appears by one rename, and the oldest checkpoints beyond `keep` (0: none) go. One
 // save at a time: start() finishes the one before. A step directory that exists is refused: a
-// checkpoint is never overwritten. Both are collective over groups.world.
+// checkpoint is never overwritten. Both are collective over groups.world. A save that fails to
+// be written on any rank (disk full, I/O error) throws WriteError (core/write_error.h) on every
+// rank, with the path and the system's reason, after rank 0 removed its .tmp directory.
 class CheckpointWriter {
  public:
   CheckpointWriter(std::string checkpoint_dir, int64_t keep, const Config& c, const ProcessGroups& groups,
@@ -57,6 +56,7 @@ class CheckpointWriter {
 
  private:
   struct Pending;
+  void agree_or_discard(const Pending& p, const std::function<void()>& local);
   std::string dir_;
   int64_t keep_;
   const Config& config_;

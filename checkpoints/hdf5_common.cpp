@@ -1,12 +1,33 @@
 #include "checkpoints/hdf5_common.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <sstream>
 
 namespace moeut::h5 {
 namespace {
+
+// HDF5 1.10 keeps the identifier of a file whose close failed (its last flush met a full disk)
+// and closes it again in its atexit clean-up, which then crashes. Every file here is closed by
+// its Handle, so that clean-up has nothing left to do: it is not installed (before HDF5 starts).
+[[maybe_unused]] const bool kNoAtexitCleanup = H5dont_atexit() >= 0;
+
+// The system error of the failed HDF5 call whose error stack this thread holds, as strerror
+// gives it; "" when that failure was not a system call's. HDF5's file drivers record it as
+// "errno = <n>" in their messages.
+herr_t find_errno(unsigned, const H5E_error2_t* e, void* out) {
+  const char* at = e->desc ? std::strstr(e->desc, "errno = ") : nullptr;
+  if (at && *static_cast<int*>(out) == 0) *static_cast<int*>(out) = std::atoi(at + 8);
+  return 0;
+}
+
+std::string system_reason() {
+  int err = 0;
+  if (H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, find_errno, &err) < 0 || err <= 0) return "";
+  return std::strerror(err);
+}
 
 struct IntAttr { const char* name; int64_t ModelConfig::*field; };
 struct RealAttr { const char* name; double ModelConfig::*field; };
@@ -78,14 +99,47 @@ std::string number(double v) {
 void silence_errors() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
 
 void check(bool ok, const std::string& path, const std::string& what) {
-  if (!ok) throw FileError(path + ": " + what);
+  if (ok) return;
+  const std::string reason = system_reason();
+  throw FileError(path + ": " + what + (reason.empty() ? "" : ": " + reason));
 }
 
-Handle create_file(const std::string& path) {
+Handle create_file(const std::string& path, hsize_t userblock) {
   silence_errors();
-  Handle file(H5Fcreate(path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
-  check(file.ok(), path, "cannot create file (exists already, or the directory is not writable)");
+  Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose), fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
+  check(fapl.ok() && fcpl.ok() && H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST) >= 0 &&
+            H5Pset_userblock(fcpl.get(), userblock) >= 0,
+        path, "cannot set up the file's properties");
+  check(!std::filesystem::exists(path), path, "cannot create file: exists already");
+  Handle file(H5Fcreate(path.c_str(), H5F_ACC_EXCL, fcpl.get(), fapl.get()), H5Fclose);
+  check(file.ok(), path, "cannot create file");
   return file;
+}
+
+void close_file(Handle& file, const std::string& path) {
+  check(file.close() >= 0, path, "cannot close (its last metadata was not written)");
+}
+
+Handle open_float_dataset(hid_t loc, const std::string& name, const std::string& path) {
+  const std::string what = "dataset '" + name + "'";
+  for (size_t end = name.find('/');; end = name.find('/', end + 1)) {
+    const std::string link = name.substr(0, end);
+    H5L_info_t info;
+    check(H5Lexists(loc, link.c_str(), H5P_DEFAULT) > 0, path, "missing " + what);
+    check(H5Lget_info(loc, link.c_str(), &info, H5P_DEFAULT) >= 0 && info.type == H5L_TYPE_HARD, path,
+          what + ": '" + link + "' is a soft or external link; only objects stored in this file are read");
+    if (end == std::string::npos) break;
+  }
+  Handle dset(H5Dopen2(loc, name.c_str(), H5P_DEFAULT), H5Dclose);
+  check(dset.ok(), path, "cannot open " + what);
+  Handle dcpl(H5Dget_create_plist(dset.get()), H5Pclose);
+  check(dcpl.ok(), path, "cannot read the storage of " + what);
+  check(H5Pget_layout(dcpl.get()) != H5D_VIRTUAL && H5Pget_external_count(dcpl.get()) == 0, path,
+        what + " keeps its data in other files (virtual or external storage); only data stored in this file is read");
+  Handle type(H5Dget_type(dset.get()), H5Tclose);
+  check(type.ok() && H5Tget_class(type.get()) == H5T_FLOAT && H5Tget_size(type.get()) == 4, path,
+        what + " does not hold 32-bit floats");
+  return dset;
 }
 
 Handle open_file(const std::string& path) {

@@ -29,6 +29,13 @@ class Handle {
   Handle& operator=(Handle&&) = delete;
   hid_t get() const { return id_; }
   bool ok() const { return id_ >= 0; }
+  // Closes now, with the close function's result. The identifier is given up even when that
+  // fails: HDF5 must not be asked to close it twice.
+  herr_t close() {
+    const herr_t result = id_ >= 0 ? close_(id_) : 0;
+    id_ = -1;
+    return result;
+  }
 
  private:
   hid_t id_;
@@ -38,11 +45,21 @@ class Handle {
 // HDF5 prints its own error stack by default; this project reports errors itself.
 void silence_errors();
 
-// Throws FileError("<path>: <what>") unless ok.
+// Throws FileError("<path>: <what>") unless ok. When the HDF5 call that failed met a system
+// error (a full disk, an I/O error), the message ends with the system's reason.
 void check(bool ok, const std::string& path, const std::string& what);
 
-Handle create_file(const std::string& path);  // fails if the file exists
+// Fails if the file exists. The file is written in the HDF5 1.8 format or later, whose
+// metadata (superblock, object headers, attributes) carries checksums that HDF5 verifies on
+// reading. A userblock of `userblock` bytes (0, or a power of two >= 512) is left at its start.
+Handle create_file(const std::string& path, hsize_t userblock = 0);
 Handle open_file(const std::string& path);    // read-only; refuses what is not HDF5
+// Closes a file written through `file`, and checks that its last metadata reached the disk.
+void close_file(Handle& file, const std::string& path);
+// The dataset `name` (a path below loc) as stored in this file alone: every link on the path a
+// hard link (no external or soft link), its data in the file (not external storage, not
+// virtual), and of 32-bit floats. Refuses anything else, naming the dataset.
+Handle open_float_dataset(hid_t loc, const std::string& name, const std::string& path);
 
 void write_int_attr(hid_t obj, const char* name, int64_t value, const std::string& path);
 void write_real_attr(hid_t obj, const char* name, double value, const std::string& path);

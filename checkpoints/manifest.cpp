@@ -1,8 +1,17 @@
 #include "checkpoints/manifest.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 
@@ -15,7 +24,60 @@ using h5::check;
 using h5::Handle;
 
 constexpr const char* kFormat = "moeut-checkpoint";
-constexpr int64_t kVersion = 1;
+// Version 2 adds the checksum block; version 1 manifests (without it) are still read.
+constexpr int64_t kVersion = 2;
+
+// The manifest's first kChecksumBlock bytes (an HDF5 userblock, which HDF5 readers skip) hold
+// one line: kChecksumTag, the CRC-32 of every byte after the block, and the file's size. Every
+// field of the manifest is covered, and checked before HDF5 parses a byte of it.
+constexpr hsize_t kChecksumBlock = 512;
+constexpr const char* kChecksumTag = "moeut-checkpoint-manifest crc32";
+constexpr unsigned char kHdf5Signature[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};
+
+uint32_t crc32_after_block(const std::string& bytes) {
+  return uint32_t(crc32_z(0, reinterpret_cast<const Bytef*>(bytes.data()) + kChecksumBlock,
+                          bytes.size() - kChecksumBlock));
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  check(!in.bad(), path, std::string("cannot read: ") + std::strerror(errno));
+  return bytes;
+}
+
+// Writes the checksum line into the block of the closed file at `path`.
+void seal(const std::string& path) {
+  const std::string bytes = read_bytes(path);
+  check(bytes.size() > kChecksumBlock, path, "shorter than its checksum block");
+  char line[kChecksumBlock] = {};
+  std::snprintf(line, sizeof line, "%s %08x bytes %zu\n", kChecksumTag, crc32_after_block(bytes), bytes.size());
+  const int fd = ::open(path.c_str(), O_WRONLY);
+  const bool ok = fd >= 0 && ::pwrite(fd, line, sizeof line, 0) == ssize_t(sizeof line);
+  const int err = errno;
+  check((fd < 0 || ::close(fd) == 0) && ok, path, std::string("cannot write its checksum: ") + std::strerror(err));
+}
+
+// The format version the checksum block implies (1: none, the file starts as HDF5), after
+// checking the checksum and the size it states.
+int64_t check_seal(const std::string& path) {
+  const std::string bytes = read_bytes(path);
+  if (bytes.size() >= sizeof kHdf5Signature && std::memcmp(bytes.data(), kHdf5Signature, sizeof kHdf5Signature) == 0)
+    return 1;
+  unsigned crc = 0;
+  size_t size = 0;
+  const std::string format = std::string(kChecksumTag) + " %8x bytes %zu";
+  check(bytes.size() > kChecksumBlock && std::sscanf(bytes.c_str(), format.c_str(), &crc, &size) == 2, path,
+        "not a checkpoint manifest (no checksum line '" + std::string(kChecksumTag) + " ...' at its start)");
+  check(size == bytes.size(), path,
+        "has " + std::to_string(bytes.size()) + " bytes, its checksum line says " + std::to_string(size) +
+            " (truncated or extended)");
+  char what[160];
+  std::snprintf(what, sizeof what, "checksum mismatch (crc32 %08x, its checksum line says %08x): the manifest is corrupt",
+                crc32_after_block(bytes), crc);
+  check(crc32_after_block(bytes) == crc, path, what);
+  return kVersion;
+}
 
 // The training fields that decide how a run continues: data order, schedule, optimizer.
 struct TrainInt { const char* name; int64_t TrainConfig::*field; };
@@ -110,7 +172,7 @@ const char* kind_name(Kind k) {
 std::string rank_file_name(int64_t rank) { return "rank_" + std::to_string(rank) + ".h5"; }
 
 void write_manifest(const std::string& path, const Manifest& m) {
-  Handle file = h5::create_file(path);
+  Handle file = h5::create_file(path, kChecksumBlock);
   const hid_t root = file.get();
   h5::write_string_attr(root, "format", kFormat, path);
   h5::write_int_attr(root, "format_version", kVersion, path);
@@ -174,16 +236,22 @@ void write_manifest(const std::string& path, const Manifest& m) {
       write_virtual(loc, t.name, t.shape, mine, path);
     }
   check(H5Fflush(root, H5F_SCOPE_GLOBAL) >= 0, path, "cannot flush");
+  check(exp_avg.close() >= 0 && exp_avg_sq.close() >= 0, path, "cannot close the groups of the moments");
+  h5::close_file(file, path);
+  seal(path);
 }
 
 Manifest read_manifest(const std::string& path) {
+  const int64_t sealed = check_seal(path);
   Handle file = h5::open_file(path);
   const hid_t root = file.get();
   check(H5Aexists(root, "format") > 0 && h5::read_string_attr(root, "format", path) == kFormat, path,
         std::string("not a checkpoint manifest (no format attribute '") + kFormat + "')");
   const int64_t version = h5::read_int_attr(root, "format_version", path);
-  check(version == kVersion, path,
-        "format_version " + std::to_string(version) + ", this build reads " + std::to_string(kVersion));
+  check(version == sealed, path,
+        "format_version " + std::to_string(version) + (sealed == 1 ? " without" : " with") +
+            " a checksum line; this build reads version 1 without one and version " + std::to_string(kVersion) +
+            " with one");
   Manifest m;
   m.step = h5::read_int_attr(root, "step", path);
   m.optimizer_steps = h5::read_int_attr(root, "optimizer_steps", path);
@@ -218,6 +286,10 @@ Manifest read_manifest(const std::string& path) {
     m.file_bytes = h5::read_ints(files.get(), "bytes", path);
     check(m.files.size() == size_t(m.world_size) && m.file_bytes.size() == m.files.size(), path,
           "lists " + std::to_string(m.files.size()) + " rank files for a world of " + std::to_string(m.world_size));
+    // Names, not paths: nothing outside the checkpoint directory is opened.
+    for (size_t r = 0; r < m.files.size(); ++r)
+      check(m.files[r] == rank_file_name(int64_t(r)), path,
+            "lists '" + m.files[r] + "' as the file of rank " + std::to_string(r) + ", not " + rank_file_name(int64_t(r)));
   }
   {
     Handle pieces = open_group(root, "pieces", path);
@@ -238,6 +310,11 @@ Manifest read_manifest(const std::string& path) {
       check(k != std::end(kKinds) && crc[i] >= 0 && crc[i] <= int64_t(UINT32_MAX), path,
             "piece " + std::to_string(i) + " has kind '" + kind[i] + "' or checksum " + std::to_string(crc[i]));
       p.kind = *k;
+      const std::string prefix = p.tensor + "/" + kind[i] + "/";
+      check(p.dataset.size() > prefix.size() && p.dataset.compare(0, prefix.size(), prefix) == 0 &&
+                std::all_of(p.dataset.begin() + ptrdiff_t(prefix.size()), p.dataset.end(),
+                            [](char c) { return c >= '0' && c <= '9'; }),
+            path, "piece " + std::to_string(i) + " names dataset '" + p.dataset + "', not " + prefix + "<i>");
       m.pieces.push_back(std::move(p));
     }
   }

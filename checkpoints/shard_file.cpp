@@ -4,8 +4,11 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -31,8 +34,32 @@ void test_hook_kill_during_save(int64_t rank, int64_t step) {
 void fsync_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY);
   const bool ok = fd >= 0 && ::fsync(fd) == 0;
+  const int err = errno;
   if (fd >= 0) ::close(fd);
-  check(ok, path, "cannot fsync");
+  check(ok, path, std::string("cannot fsync: ") + std::strerror(err));
+}
+
+// The root attributes of a rank file against what the manifest says of it: the same rank, layout,
+// step, optimizer steps and seed, so that no field of the manifest goes unchecked against the
+// files it describes.
+void check_header(hid_t root, const std::string& path, const ShardHeader& expected) {
+  check(H5Aexists(root, "format") > 0 && h5::read_string_attr(root, "format", path) == kFormat, path,
+        "not a checkpoint rank file");
+  const std::pair<const char*, int64_t> fields[] = {
+      {"rank", expected.rank},
+      {"world_size", expected.world_size},
+      {"ep", expected.ep},
+      {"expert_begin", expected.experts.begin},
+      {"expert_count", expected.experts.count},
+      {"step", expected.step},
+      {"optimizer_steps", expected.optimizer_steps},
+      {"seed", std::bit_cast<int64_t>(expected.seed)}};
+  for (const auto& [name, value] : fields) {
+    const int64_t here = h5::read_int_attr(root, name, path);
+    check(here == value, path,
+          std::string("attribute '") + name + "' is " + std::to_string(here) + " here, " + std::to_string(value) +
+              " in the manifest: the file does not belong to this checkpoint, or one of them is corrupt");
+  }
 }
 
 std::string dataset_name(const std::string& tensor, Kind k, int64_t i) {
@@ -90,20 +117,16 @@ void write_shard_file(const std::string& path, const ShardHeader& h, const Param
       }
     }
     check(H5Fflush(root, H5F_SCOPE_GLOBAL) >= 0, path, "cannot flush");
+    h5::close_file(file, path);
   }
   fsync_file(path);
 }
 
-std::vector<Piece> read_shard_index(const std::string& path, const std::string& file_name, int64_t expected_rank,
-                                    int64_t expected_step, const ParamLayout& full) {
+std::vector<Piece> read_shard_index(const std::string& path, const std::string& file_name, const ShardHeader& expected,
+                                    const ParamLayout& full) {
   Handle file = h5::open_file(path);
   const hid_t root = file.get();
-  check(H5Aexists(root, "format") > 0 && h5::read_string_attr(root, "format", path) == kFormat, path,
-        "not a checkpoint rank file");
-  const int64_t rank = h5::read_int_attr(root, "rank", path), step = h5::read_int_attr(root, "step", path);
-  check(rank == expected_rank && step == expected_step, path,
-        "holds rank " + std::to_string(rank) + " at step " + std::to_string(step) + ", expected rank " +
-            std::to_string(expected_rank) + " at step " + std::to_string(expected_step));
+  check_header(root, path, expected);
   std::vector<Piece> out;
   for (const TensorSpec& t : full.tensors()) {
     if (H5Lexists(root, t.name.c_str(), H5P_DEFAULT) <= 0) continue;
@@ -113,8 +136,7 @@ std::vector<Piece> read_shard_index(const std::string& path, const std::string& 
       for (int64_t i = 0;; ++i) {
         const std::string name = dataset_name(t.name, k, i);
         if (H5Lexists(root, name.c_str(), H5P_DEFAULT) <= 0) break;
-        Handle dset(H5Dopen2(root, name.c_str(), H5P_DEFAULT), H5Dclose);
-        check(dset.ok(), path, "cannot open dataset '" + name + "'");
+        Handle dset = h5::open_float_dataset(root, name, path);
         Piece p{t.name, k, file_name, name, 0, 0, 0, {}};
         p.box.count = h5::dataset_shape(dset.get(), "dataset '" + name + "'", path);
         Handle attr(H5Aopen(dset.get(), "start", H5P_DEFAULT), H5Aclose);
@@ -141,24 +163,31 @@ std::vector<Piece> read_shard_index(const std::string& path, const std::string& 
   return out;
 }
 
+PieceReader::PieceReader(std::string dir, const Manifest& m) : dir_(std::move(dir)), manifest_(m) {}
+
 hid_t PieceReader::file(const std::string& name) {
   auto it = files_.find(name);
   if (it != files_.end()) return it->second.get();
   const std::string path = (std::filesystem::path(dir_) / name).string();
+  const auto listed = std::find(manifest_.files.begin(), manifest_.files.end(), name);
+  check(listed != manifest_.files.end(), path, "not a rank file of this checkpoint");
+  const int64_t rank = listed - manifest_.files.begin();
   Handle f = h5::open_file(path);
-  check(H5Aexists(f.get(), "format") > 0 && h5::read_string_attr(f.get(), "format", path) == kFormat, path,
-        "not a checkpoint rank file");
-  const int64_t step = h5::read_int_attr(f.get(), "step", path);
-  check(step == step_, path, "holds step " + std::to_string(step) + ", the manifest step " + std::to_string(step_));
+  check_header(f.get(), path,
+               {.rank = rank,
+                .world_size = manifest_.world_size,
+                .ep = manifest_.ep,
+                .experts = manifest_.expert_shards[size_t(rank % manifest_.ep)],
+                .step = manifest_.step,
+                .optimizer_steps = manifest_.optimizer_steps,
+                .seed = manifest_.train.seed});
   return files_.emplace(name, std::move(f)).first->second.get();
 }
 
 void PieceReader::read(const Piece& p, float* dst) {
   const std::string path = (std::filesystem::path(dir_) / p.file).string();
   const hid_t f = file(p.file);
-  check(H5Lexists(f, p.dataset.c_str(), H5P_DEFAULT) > 0, path, "missing dataset '" + p.dataset + "'");
-  Handle dset(H5Dopen2(f, p.dataset.c_str(), H5P_DEFAULT), H5Dclose);
-  check(dset.ok(), path, "cannot open dataset '" + p.dataset + "'");
+  Handle dset = h5::open_float_dataset(f, p.dataset, path);
   const std::vector<int64_t> shape = h5::dataset_shape(dset.get(), "dataset '" + p.dataset + "'", path);
   const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t(1), std::multiplies<>());
   check(n == p.elements, path,

@@ -31,14 +31,17 @@ void write_shard_file(const std::string& path, const ShardHeader& header, const 
                       const std::vector<OwnedRange>& ranges, const OptimizerShard& shard);
 
 // The pieces a rank file holds, read back from its attributes (for the manifest). Checks that
-// the file is the one expected (rank, step) and that every box lies in its tensor.
-std::vector<Piece> read_shard_index(const std::string& path, const std::string& file_name, int64_t rank, int64_t step,
+// the file is the one expected (its root attributes equal `expected`) and that every box lies
+// in its tensor.
+std::vector<Piece> read_shard_index(const std::string& path, const std::string& file_name, const ShardHeader& expected,
                                     const ParamLayout& full);
 
-// Reads pieces from the rank files of one checkpoint directory, keeping each file open.
+// Reads pieces from the rank files of one checkpoint directory, keeping each file open. Each
+// file's root attributes are checked against the manifest when it is opened: rank, layout,
+// expert shard, step, optimizer steps and seed.
 class PieceReader {
  public:
-  PieceReader(std::string dir, int64_t step) : dir_(std::move(dir)), step_(step) {}
+  PieceReader(std::string dir, const Manifest& m);
   // Reads the piece's p.elements values into dst, checking its size and its CRC-32 against
   // the manifest's (dst holds garbage when that throws).
   void read(const Piece& p, float* dst);
@@ -46,7 +49,7 @@ class PieceReader {
  private:
   hid_t file(const std::string& name);
   std::string dir_;
-  int64_t step_;
+  const Manifest& manifest_;
   std::map<std::string, h5::Handle> files_;
 };
 

@@ -1,8 +1,11 @@
 #include "checkpoints/weights_file.h"
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "checkpoints/hdf5_common.h"
+#include "core/write_error.h"
 
 namespace moeut {
 namespace {
@@ -27,6 +30,7 @@ void write_file(const std::string& path, const ModelConfig& m, const float* para
     const ParamLayout layout(m);
     for (const TensorSpec& t : layout.tensors()) h5::write_floats(file.get(), t.name, t.shape, params + t.offset, tmp);
     check(H5Fflush(file.get(), H5F_SCOPE_GLOBAL) >= 0, tmp, "cannot flush");
+    h5::close_file(file, tmp);
   }
   std::error_code ec;
   std::filesystem::rename(tmp, target, ec);
@@ -53,13 +57,17 @@ Weights read_file(const std::string& path) {
             std::to_string(layout.tensors().size()) + " parameters");
   for (const TensorSpec& t : layout.tensors()) {
     check(H5Lexists(root.get(), t.name.c_str(), H5P_DEFAULT) > 0, path, "missing dataset '" + t.name + "'");
-    Handle dset(H5Dopen2(file.get(), t.name.c_str(), H5P_DEFAULT), H5Dclose);
-    check(dset.ok(), path, "cannot open dataset '" + t.name + "'");
+    Handle dset = h5::open_float_dataset(root.get(), t.name, path);
     const std::vector<int64_t> shape = h5::dataset_shape(dset.get(), "dataset '" + t.name + "'", path);
     check(shape == t.shape, path,
           "dataset '" + t.name + "' has shape " + shape_string(shape) + ", expected " + shape_string(t.shape));
     check(H5Dread(dset.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, w.params.data() + t.offset) >= 0,
           path, "cannot read dataset '" + t.name + "' (truncated or corrupt?)");
+    const float* values = w.params.data() + t.offset;
+    const auto bad = std::find_if(values, values + t.numel, [](float x) { return !std::isfinite(x); });
+    check(bad == values + t.numel, path,
+          "dataset '" + t.name + "' holds " + std::to_string(*bad) + " at element " + std::to_string(bad - values) +
+              ": weights must be finite");
   }
   return w;
 }
@@ -69,8 +77,10 @@ Weights read_file(const std::string& path) {
 void write_weights(const std::string& path, const ModelConfig& m, const float* params) {
   try {
     write_file(path, m, params);
-  } catch (const h5::FileError& e) {
-    throw WeightsError(e.what());
+  } catch (const std::exception& e) {
+    std::error_code ignored;  // what is left of the temporary file goes; the message says why
+    std::filesystem::remove(path + ".tmp", ignored);
+    throw WriteError(e.what());
   }
 }
 

@@ -17,13 +17,17 @@ struct WeightsError : std::runtime_error {
 };
 
 // Written to a temporary name and renamed into place, so an interrupted write never leaves a
-// partial file under `path`.
+// partial file under `path`. Throws WriteError (core/write_error.h) when it cannot be written,
+// after removing the temporary file.
 void write_weights(const std::string& path, const ModelConfig& m, const float* params);
 
 struct Weights {
   ModelConfig config;          // context keeps its default: it is not part of the format
   std::vector<float> params;   // in ParamLayout(config) order
 };
+// Refuses (WeightsError naming the dataset) datasets that are not 32-bit floats, that hold a
+// non-finite value, or that are reached through a soft or external link or keep their data in
+// other files (external storage, virtual datasets).
 Weights read_weights(const std::string& path);
 
 }  // namespace moeut

@@ -84,6 +84,8 @@ po::options_description train_options(TrainConfig& t) {
       ("resume", po::value(&t.resume),
        "continue from a checkpoint: a step_<N> directory, latest (the newest in checkpoint_dir), or auto (the newest, "
        "or a fresh start when there is none)")
+      ("discard_newer_checkpoints", po::bool_switch(&t.discard_newer_checkpoints),
+       "with --resume of an older step_<N>: delete the checkpoints of checkpoint_dir beyond it (else refused)")
       ("time_limit", po::value(&t.time_limit)->default_value(t.time_limit),
        "wall-clock seconds the steps may take from the first: a checkpoint is saved and the run stops (exit status "
        "75) before them (0: none)")

@@ -74,6 +74,9 @@ struct TrainConfig {
   // A step_<N> directory; "latest", the newest in checkpoint_dir; or "auto", the newest there
   // or a fresh start when there is none (what a requeued job passes every time).
   std::string resume;
+  // Resuming a step_<N> older than the newest in checkpoint_dir deletes the newer ones (a corrupt
+  // newest checkpoint otherwise blocks continuing from the one before it); false: refused.
+  bool discard_newer_checkpoints = false;
   // Seconds of wall clock the training steps may take, counted from the first step this process
   // runs (start-up and loading not included): the run saves and stops (kExitStopped) while twice
   // its longest step (validation and saves included) still fits; 0: no limit.

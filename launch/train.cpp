@@ -10,6 +10,7 @@
 #include "checkpoints/weights_file.h"
 #include "core/hang_watchdog.h"
 #include "core/stop_request.h"
+#include "core/write_error.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/run_errors.h"
 #include "parallel/trainer.h"
@@ -51,6 +52,11 @@ int main(int argc, char** argv) {
     // Every rank reads the same configuration and refuses it alike, before any collective.
     if (rank == 0) std::fprintf(stderr, "moeut-train: %s\n", e.what());
     status = kExitConfig;
+  } catch (const WriteError& e) {
+    // Every rank throws it together (a save, the metrics), or rank 0 alone after the last
+    // collective (the weights file).
+    if (rank == 0) std::fprintf(stderr, "moeut-train: write failed: %s\n", e.what());
+    status = kExitWriteFailed;
   } catch (const CheckpointError& e) {
     // Every rank throws it together, with the same message (checkpoint.h).
     if (rank == 0) std::fprintf(stderr, "moeut-train: checkpoint: %s\n", e.what());

@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cerrno>
 #include <cmath>
@@ -18,6 +19,7 @@
 #include "core/rng.h"
 #include "core/schedule.h"
 #include "core/stop_request.h"
+#include "core/write_error.h"
 #include "parallel/run_checks.h"
 #include "parallel/run_errors.h"
 
@@ -186,8 +188,10 @@ double Trainer::run() {
     backend_->zero_gradients();
     // ce, reg_ffn, reg_att, residual_std, weighted by share of the global batch; then the ranks that
     // caught a stop signal and those that see the time limit coming, so every rank stops after the
-    // same step; then each rank's data error (its exit status, 0: none).
-    std::vector<double> parts(size_t(6 + groups_.world->size()), 0.0);
+    // same step; whether rank 0 failed to write the metrics of the step before; then each rank's
+    // data error (its exit status, 0: none).
+    std::vector<double> parts(size_t(7 + groups_.world->size()), 0.0);
+    parts[6] = metrics_error_.empty() ? 0.0 : 1.0;
     std::string data_error;  // this rank's first bad token of the step
     for (int64_t first = 0; first < local_batch_; first += micro) {
       try {
@@ -197,7 +201,7 @@ double Trainer::run() {
         // rank's collectives in step with the others'.
         if (data_error.empty()) data_error = e.what();
         std::fill(tokens.begin(), tokens.end(), 0);
-        parts[size_t(6 + groups_.world->rank())] = kExitDataError;
+        parts[size_t(7 + groups_.world->rank())] = kExitDataError;
       }
       const double share = double(micro) / double(t.batch_size);
       const LossParts part = backend_->forward_backward(tokens.data(), micro, share);
@@ -209,7 +213,8 @@ double Trainer::run() {
     parts[4] = stop_signal() != 0 ? 1 : 0;
     parts[5] = t.time_limit > 0 && elapsed + 2 * longest_iteration > t.time_limit ? 1 : 0;
     groups_.world->all_reduce_sum(std::span<double>(parts));
-    end_together(std::span<const double>(parts).subspan(6), *groups_.world, data_error);
+    fail_if_metrics_lost(parts[6]);
+    end_together(std::span<const double>(parts).subspan(7), *groups_.world, data_error);
     stopping_ = parts[4] > 0 || parts[5] > 0;
     const LossParts loss{.ce = parts[0], .reg_ffn = parts[1], .reg_att = parts[2], .residual_std = parts[3]};
     const double lr = learning_rate(step, t);
@@ -237,11 +242,13 @@ double Trainer::run() {
                       (long long)(step + 1), t.time_limit, longest_iteration, elapsed + seconds);
         std::fflush(stdout);
       }
+      agree_on_metrics();
       return std::numeric_limits<double>::quiet_NaN();
     }
   }
   const double final_loss = validation_loss(0);
   log_validation(t.steps, final_loss, true);
+  agree_on_metrics();
   return final_loss;
 }
 
@@ -278,6 +285,26 @@ double Trainer::update(int64_t step, double lr, const LossParts& loss) {
                                        : "; every tensor's gradient is finite") +
                         none_saved,
                     kExitNonFinite, leader());
+}
+
+void Trainer::write_metrics(const std::string& line) {
+  if (!metrics_error_.empty()) return;
+  errno = 0;
+  metrics_ << line << std::flush;
+  if (!metrics_)
+    metrics_error_ = cfg_.train.metrics + ": cannot write the metrics: " +
+                     (errno != 0 ? std::strerror(errno) : "the stream failed");
+}
+
+void Trainer::fail_if_metrics_lost(double failed_ranks) const {
+  if (failed_ranks == 0) return;
+  throw WriteError(leader() ? metrics_error_ : cfg_.train.metrics + ": rank 0 cannot write the metrics");
+}
+
+void Trainer::agree_on_metrics() {
+  double failed[1] = {metrics_error_.empty() ? 0.0 : 1.0};
+  groups_.world->all_reduce_sum(std::span<double>(failed, 1));
+  fail_if_metrics_lost(failed[0]);
 }
 
 std::vector<float> Trainer::full_parameters() {
@@ -349,12 +376,6 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
                 tokens_per_s, eta, now, traffic.comm_seconds, traffic.comm_max, traffic.comm_mean,
                 (long long)traffic.dispatch_bytes, traffic.dispatch_max, traffic.dispatch_mean);
   write_metrics(line);
-}
-
-void Trainer::write_metrics(const std::string& record) {
-  metrics_ << record << std::flush;
-  if (!metrics_)
-    throw std::runtime_error("cannot write metrics file '" + shown(cfg_.train.metrics) + "': " + std::strerror(errno));
 }
 
 void Trainer::warn_if_bound_to_one_cpu() {

@@ -51,7 +51,8 @@ class Trainer {
   // Trains every step from the start step on (rank 0 logs); returns the loss over the whole
   // validation file. A stop request (core/stop_request.h, or TrainConfig::time_limit) ends the
   // run after the step every rank is in, after its after_step hook (which sees stopping()), and
-  // returns NaN without the final validation.
+  // returns NaN without the final validation. A metrics record that cannot be written (disk
+  // full) ends the run at the next step, or before run() returns, with WriteError on every rank.
   double run();
   bool stopping() const { return stopping_; }  // the current step is the last: a stop was requested
   const std::vector<double>& losses() const { return losses_; }  // total loss of every step run() trained
@@ -89,9 +90,12 @@ class Trainer {
   double update(int64_t step, double lr, const LossParts& loss);
   void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds, const Traffic& traffic);
   void log_validation(int64_t step, double loss, bool final);
-  // Rank 0 appends a record to the metrics file; throws naming the file and the system's reason
-  // (e.g. ENOSPC) when it is not written.
-  void write_metrics(const std::string& record);
+  // Rank 0 appends a record to the metrics file; the first failure is kept in metrics_error_
+  // (with the system's reason), and every rank throws WriteError at the next agreement: the
+  // next step's, or agree_on_metrics() (a collective) before run() returns.
+  void write_metrics(const std::string& line);
+  void fail_if_metrics_lost(double failed_ranks) const;
+  void agree_on_metrics();
   // With TrainConfig::grad_jump_factor: when this step's gradient norm exceeds that multiple of
   // the median of the steps' before it (up to 20, once 10 are known), logs each tensor's
   // gradient norm (a collective: every rank decides alike, from the same global norms).
@@ -114,6 +118,7 @@ class Trainer {
   TokenFile train_, val_;
   std::unique_ptr<TrainingBackend> backend_;
   std::ofstream metrics_;
+  std::string metrics_error_;
   std::vector<double> losses_;
   std::vector<double> recent_norms_;  // the last steps' gradient norms, for watch_gradient_norm
   std::vector<double> recent_seconds_;  // the last steps' seconds, for the estimate of the time left

@@ -1,0 +1,280 @@
+// What checkpoints promise beyond a plain save and load (docs/RELIABILITY.md): a save that
+// cannot be written ends cleanly with the system's reason and leaves the checkpoints before it
+// whole; the manifest is checksummed and cross-checked with the rank files; it names no file
+// outside its directory; one run at a time saves into a directory (the lock); what killed saves
+// leave is cleared; an older checkpoint can be continued when the newer ones are given up.
+#include <gtest/gtest.h>
+#include <omp.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "checkpoints/checkpoint.h"
+#include "checkpoints/shard_file.h"
+#include "core/write_error.h"
+#include "small_config.h"
+
+namespace fs = std::filesystem;
+
+namespace moeut {
+namespace {
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path d = fs::path(testing::TempDir()) / ("moeut_safety_" + name);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// Saves every 2 steps of 4 into <work>/ckpt.
+Config small_run(const fs::path& work) {
+  Config c = test::small_run({.d_model = 16, .n_layers = 2, .group_size = 1, .ff_n_experts = 6, .ff_k = 2,
+                              .ff_expert_size = 8},
+                             {.steps = 4, .batch_size = 4, .micro_batch_size = 2, .warmup_steps = 3,
+                              .train_data = (work / "train.bin").string(),
+                              .val_data = (work / "val.bin").string(),
+                              .metrics = (work / "metrics.jsonl").string()});
+  c.train.checkpoint_dir = (work / "ckpt").string();
+  c.train.checkpoint_every = 2;
+  return c;
+}
+
+std::vector<float> train(const Config& c) {
+  const ProcessGroups g = ProcessGroups::single();
+  Trainer trainer(c, g);
+  setup_checkpoints(trainer);
+  trainer.run();
+  return trainer.full_parameters();
+}
+
+template <class Error>
+std::string refusal(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(not refused)";
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+#define EXPECT_HAS(text, word) EXPECT_NE(std::string(text).find(word), std::string::npos) << (text)
+
+TEST(SaveFailure, AFullDiskEndsCleanlyNamingTheFileAndReasonAndKeepsTheCheckpointBefore) {
+  const fs::path work = fresh_dir("full");
+  Config c = small_run(work);
+  c.train.steps = 2;
+  train(c);  // step 2, whole
+  const uintmax_t rank_file = fs::file_size(fs::path(step_directory(c.train.checkpoint_dir, 2)) / "rank_0.h5");
+  c.train.steps = 4;
+  c.train.resume = "latest";
+  // The save of step 4 meets a file size limit halfway through its rank file (EFBIG, as ENOSPC
+  // would be), in a child process that ends as moeut-train does: exit() runs HDF5's clean-up.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    omp_set_num_threads(1);  // the parent's OpenMP threads are not in the child
+    std::signal(SIGXFSZ, SIG_IGN);
+    const rlimit limit{rank_file / 2, rank_file / 2};
+    setrlimit(RLIMIT_FSIZE, &limit);
+    std::string message = "no error";
+    int status = 0;
+    try {
+      train(c);
+    } catch (const WriteError& e) {
+      message = e.what();
+      status = kExitWriteFailed;
+    } catch (const std::exception& e) {
+      message = e.what();
+      status = 1;
+    }
+    std::ofstream(work / "message.txt") << message;
+    std::exit(status);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "ended by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), kExitWriteFailed);
+  const std::string message = read_text(work / "message.txt");
+  EXPECT_HAS(message, ".step_00000004.tmp/rank_0.h5");
+  EXPECT_HAS(message, std::strerror(EFBIG));
+  EXPECT_FALSE(fs::exists(work / "ckpt" / ".step_00000004.tmp")) << "the failed save was left";
+  EXPECT_FALSE(fs::exists(step_directory(c.train.checkpoint_dir, 4)));
+  EXPECT_EQ(latest_checkpoint(c.train.checkpoint_dir), step_directory(c.train.checkpoint_dir, 2));
+  EXPECT_NO_THROW(read_checkpoint_weights(step_directory(c.train.checkpoint_dir, 2)));
+  EXPECT_FALSE(fs::exists(work / "ckpt" / CheckpointLock::file_name())) << "the lock outlived the run";
+}
+
+TEST(SaveFailure, MetricsThatCannotBeWrittenEndTheRun) {
+  const fs::path work = fresh_dir("metrics");
+  Config c = small_run(work);
+  c.train.checkpoint_dir.clear();
+  c.train.checkpoint_every = 0;
+  c.train.metrics = "/dev/full";
+  const std::string message = refusal<WriteError>([&] { train(c); });
+  EXPECT_HAS(message, "/dev/full: cannot write the metrics: ");
+  EXPECT_HAS(message, std::strerror(ENOSPC));
+}
+
+// The first byte offset at which `value` is stored (int64, little-endian) after the name of an
+// attribute in an HDF5 file.
+size_t attribute_value_offset(const std::string& bytes, const std::string& name, int64_t value) {
+  const size_t at = bytes.find(name);
+  if (at == std::string::npos) return at;
+  char le[8];
+  std::memcpy(le, &value, 8);
+  return bytes.find(std::string(le, 8), at + name.size());
+}
+
+TEST(ManifestIntegrity, ABitOfAnyFieldIsRefusedBeforeTheRunChanges) {
+  const fs::path work = fresh_dir("flip");
+  Config c = small_run(work);
+  train(c);
+  const fs::path manifest = fs::path(step_directory(c.train.checkpoint_dir, 4)) / "manifest.h5";
+  std::string bytes = read_text(manifest);
+  const size_t at = attribute_value_offset(bytes, "optimizer_steps", 4);
+  ASSERT_NE(at, std::string::npos);
+  bytes[at] = 5;  // optimizer_steps 4 -> 5, the user's report
+  std::ofstream(manifest, std::ios::binary) << bytes;
+  c.train.steps = 6;
+  c.train.resume = "latest";
+  const std::string message = refusal<CheckpointError>([&] { train(c); });
+  EXPECT_HAS(message, manifest.string());
+  EXPECT_HAS(message, "checksum mismatch");
+}
+
+// The manifest of the one-rank checkpoint in `dir`, with the boxes of its pieces (which
+// read_manifest leaves out) from the rank file, to write again.
+Manifest rewritable_manifest(const std::string& dir) {
+  Manifest m = read_manifest((fs::path(dir) / "manifest.h5").string());
+  m.pieces = read_shard_index((fs::path(dir) / "rank_0.h5").string(), "rank_0.h5",
+                              {.rank = 0, .world_size = 1, .ep = 1, .experts = m.expert_shards[0], .step = m.step,
+                               .optimizer_steps = m.optimizer_steps, .seed = m.train.seed},
+                              ParamLayout(m.model));
+  return m;
+}
+
+TEST(ManifestIntegrity, EveryFieldIsCrossCheckedWithTheRankFiles) {
+  const fs::path work = fresh_dir("cross");
+  Config c = small_run(work);
+  train(c);
+  const std::string dir = step_directory(c.train.checkpoint_dir, 4);
+  const std::string path = (fs::path(dir) / "manifest.h5").string();
+  const Manifest saved = rewritable_manifest(dir);
+  // Manifests that are whole (a valid checksum) but say another thing than the rank files.
+  const std::vector<std::pair<std::string, std::function<void(Manifest&)>>> edits = {
+      {"'optimizer_steps' is 4 here, 5 in the manifest", [](Manifest& m) { m.optimizer_steps = 5; }},
+      {"'step' is 4 here, 3 in the manifest", [](Manifest& m) { m.step = 3; }},
+      {"'seed' is", [](Manifest& m) { m.train.seed += 1; }},
+      {"'expert_count' is 6 here, 5 in the manifest", [](Manifest& m) { m.expert_shards[0].count = 5; }}};
+  for (const auto& [words, edit] : edits) {
+    Manifest m = saved;
+    edit(m);
+    fs::remove(path);
+    write_manifest(path, m);
+    const ProcessGroups g = ProcessGroups::single();
+    Trainer trainer(c, g);
+    const std::string message = refusal<CheckpointError>([&] { load_checkpoint(dir, c, g, trainer.backend()); });
+    EXPECT_HAS(message, (fs::path(dir) / "rank_0.h5").string());
+    EXPECT_HAS(message, words);
+  }
+}
+
+TEST(ManifestIntegrity, NamesNoFileOutsideItsDirectory) {
+  const fs::path work = fresh_dir("paths");
+  Config c = small_run(work);
+  train(c);
+  const std::string path = (fs::path(step_directory(c.train.checkpoint_dir, 4)) / "manifest.h5").string();
+  const Manifest saved = rewritable_manifest(step_directory(c.train.checkpoint_dir, 4));
+  for (const std::string& name : std::vector<std::string>{"../step_00000002/rank_0.h5", "/etc/passwd", "rank_0.h5/../rank_0.h5"}) {
+    Manifest m = saved;
+    m.files[0] = name;
+    for (Piece& p : m.pieces) p.file = name;
+    fs::remove(path);
+    write_manifest(path, m);
+    const std::string message = refusal<std::runtime_error>([&] { read_manifest(path); });
+    EXPECT_HAS(message, "lists '" + name + "' as the file of rank 0, not rank_0.h5");
+  }
+}
+
+TEST(CheckpointLock, ALiveRunOfThisOrAnotherHostIsRefusedAndAGoneOneTakenOver) {
+  const fs::path work = fresh_dir("lock");
+  Config c = small_run(work);
+  fs::create_directories(c.train.checkpoint_dir);
+  const fs::path lock = fs::path(c.train.checkpoint_dir) / CheckpointLock::file_name();
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof host - 1), 0);
+  const ProcessGroups g = ProcessGroups::single();
+  for (const std::string& owner : {std::string(host) + " " + std::to_string(getpid()), std::string("elsewhere 4242")}) {
+    std::ofstream(lock) << owner << "\n";
+    Trainer trainer(c, g);
+    const std::string message = refusal<CheckpointError>([&] { setup_checkpoints(trainer); });
+    const std::string pid = owner.substr(owner.find(' ') + 1), on = owner.substr(0, owner.find(' '));
+    EXPECT_HAS(message, "is in use by process " + pid + " on host " + on);
+    EXPECT_EQ(read_text(lock), owner + "\n") << "a refused run touched the lock";
+  }
+  // A process of this host that is gone.
+  const pid_t gone = fork();
+  if (gone == 0) std::_Exit(0);
+  ASSERT_EQ(waitpid(gone, nullptr, 0), gone);
+  std::ofstream(lock) << host << " " << gone << "\n";
+  {
+    Trainer trainer(c, g);
+    testing::internal::CaptureStdout();
+    setup_checkpoints(trainer);
+    const std::string out = testing::internal::GetCapturedStdout();
+    EXPECT_HAS(out, "taking over the lock of " + c.train.checkpoint_dir + " from process " + std::to_string(gone));
+    EXPECT_EQ(read_text(lock), std::string(host) + " " + std::to_string(getpid()) + "\n");
+    trainer.run();
+  }
+  EXPECT_FALSE(fs::exists(lock)) << "the lock outlived the run";
+}
+
+TEST(CheckpointHousekeeping, WhatKilledSavesAndDeletionsLeaveIsRemovedAtStart) {
+  const fs::path work = fresh_dir("stale");
+  Config c = small_run(work);
+  const fs::path dir = c.train.checkpoint_dir;
+  for (const char* name : {".step_00000002.tmp", ".step_00000008.tmp", ".step_00000001.deleting"}) {
+    fs::create_directories(dir / name);
+    std::ofstream(dir / name / "rank_0.h5") << "partial";
+  }
+  testing::internal::CaptureStdout();
+  train(c);
+  const std::string out = testing::internal::GetCapturedStdout();
+  std::vector<std::string> names;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step_00000002", "step_00000004"}));
+  EXPECT_HAS(out, "removed " + (dir / ".step_00000008.tmp").string() + ", left by a save or deletion that did not finish");
+}
+
+TEST(CheckpointHousekeeping, AnOlderCheckpointContinuesWhenTheNewerAreGivenUp) {
+  const fs::path work = fresh_dir("older");
+  Config c = small_run(work);
+  const std::vector<float> straight = train(c);
+  const fs::path newest = step_directory(c.train.checkpoint_dir, 4);
+  fs::resize_file(newest / "rank_0.h5", fs::file_size(newest / "rank_0.h5") - 100);  // corrupt
+  c.train.resume = "latest";
+  EXPECT_HAS(refusal<CheckpointError>([&] { train(c); }),
+             "; to continue from the checkpoint before it: --resume " + step_directory(c.train.checkpoint_dir, 2) +
+                 " --discard_newer_checkpoints");
+  c.train.resume = step_directory(c.train.checkpoint_dir, 2);
+  EXPECT_HAS(refusal<CheckpointError>([&] { train(c); }),
+             newest.string() + ": is beyond the resumed step 2 and would be overwritten; --discard_newer_checkpoints");
+  c.train.discard_newer_checkpoints = true;
+  EXPECT_TRUE(train(c) == straight) << "the continuation differs from the run never interrupted";
+  EXPECT_NO_THROW(read_checkpoint_weights(newest.string()));
+}
+
+}  // namespace
+}  // namespace moeut
