@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <hdf5.h>
 
+#include <cmath>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <cstring>
@@ -146,6 +148,68 @@ TEST(WeightsFile, RefusesMissingTruncatedForeignAndMismatchingFiles) {
   H5Sclose(space);
   H5Fclose(f);
   expect_refused(bad, "'lm_head.bias' has shape [1], expected [50]");
+}
+
+// Replaces dataset `name` of a weights file by what `make` creates under that name.
+void replace_dataset(const std::string& path, const std::string& name, const std::function<void(hid_t file)>& make) {
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  ASSERT_GE(H5Ldelete(f, name.c_str(), H5P_DEFAULT), 0);
+  make(f);
+  H5Fclose(f);
+}
+
+// What an untrusted weights file may hold instead of its own finite fp32 data: each refused,
+// naming the dataset.
+TEST(WeightsFile, RefusesNonFiniteIntegerLinkedAndExternalData) {
+  const ModelConfig m = small_config();
+  Model<float> model(m);
+  model.init(1);
+  const std::string good = temp_path("trusted.h5");
+  write_weights(good, m, model.params.data());
+  auto copy = [&](const std::string& name) {
+    const std::string path = temp_path(name);
+    std::filesystem::copy_file(good, path, std::filesystem::copy_options::overwrite_existing);
+    return path;
+  };
+  const hsize_t n = hsize_t(m.n_tokens);
+  const std::string nan = copy("nan.h5");
+  {
+    std::vector<float> values(n, 0.5f);
+    values[7] = std::nanf("");
+    hid_t f = H5Fopen(nan.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    hid_t d = H5Dopen2(f, "lm_head.bias", H5P_DEFAULT);
+    H5Dwrite(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data());
+    H5Dclose(d);
+    H5Fclose(f);
+  }
+  expect_refused(nan, "dataset 'lm_head.bias' holds nan at element 7: weights must be finite");
+
+  const std::string ints = copy("ints.h5");
+  replace_dataset(ints, "lm_head.bias", [&](hid_t f) {
+    hid_t space = H5Screate_simple(1, &n, nullptr);
+    H5Dclose(H5Dcreate2(f, "lm_head.bias", H5T_STD_I32LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+    H5Sclose(space);
+  });
+  expect_refused(ints, "dataset 'lm_head.bias' does not hold 32-bit floats");
+
+  const std::string linked = copy("linked.h5");
+  replace_dataset(linked, "lm_head.bias", [&](hid_t f) {
+    H5Lcreate_external(good.c_str(), "lm_head.bias", f, "lm_head.bias", H5P_DEFAULT, H5P_DEFAULT);
+  });
+  expect_refused(linked, "'lm_head.bias' is a soft or external link");
+
+  const std::string external = copy("external.h5");
+  const std::string raw = temp_path("external.raw");
+  std::ofstream(raw, std::ios::binary).write(std::string(n * 4, '\0').data(), std::streamsize(n * 4));
+  replace_dataset(external, "lm_head.bias", [&](hid_t f) {
+    hid_t space = H5Screate_simple(1, &n, nullptr), dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    H5Pset_external(dcpl, raw.c_str(), 0, n * 4);
+    H5Dclose(H5Dcreate2(f, "lm_head.bias", H5T_IEEE_F32LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT));
+    H5Pclose(dcpl);
+    H5Sclose(space);
+  });
+  expect_refused(external, "dataset 'lm_head.bias' keeps its data in other files");
 }
 
 }  // namespace
