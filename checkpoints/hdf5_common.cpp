@@ -1,6 +1,9 @@
 #include "checkpoints/hdf5_common.h"
 
+#include <zlib.h>
+
 #include <algorithm>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -258,6 +261,11 @@ std::vector<int64_t> dataset_shape(hid_t dset, const std::string& what, const st
   std::vector<hsize_t> dims(static_cast<size_t>(ndims));
   H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
   return {dims.begin(), dims.end()};
+}
+
+uint32_t crc32_of(const float* data, int64_t n) {
+  static_assert(std::endian::native == std::endian::little, "checksums are over little-endian fp32 bytes");
+  return uint32_t(crc32_z(0, reinterpret_cast<const Bytef*>(data), size_t(n) * sizeof(float)));
 }
 
 void write_model_attrs(hid_t obj, const ModelConfig& m, const std::string& path) {

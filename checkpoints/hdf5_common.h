@@ -78,6 +78,9 @@ void write_floats(hid_t loc, const std::string& name, const std::vector<int64_t>
                   const std::string& path);
 std::vector<int64_t> dataset_shape(hid_t dset, const std::string& what, const std::string& path);
 
+// zlib's CRC-32 of n floats' little-endian bytes (a dataset's checksum attribute, crc32).
+uint32_t crc32_of(const float* data, int64_t n);
+
 // The interchange attributes (n_tokens, d_model, ... att_entropy_reg); context is not among
 // them. read_model_attrs leaves context at its default and does not validate.
 void write_model_attrs(hid_t obj, const ModelConfig& m, const std::string& path);

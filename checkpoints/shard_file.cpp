@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <bit>
@@ -21,7 +20,6 @@ using h5::check;
 using h5::Handle;
 
 constexpr const char* kFormat = "moeut-checkpoint-shard";
-static_assert(std::endian::native == std::endian::little, "checksums are over little-endian fp32 bytes");
 
 // Test hook (tests/cli_checkpoints.sh): MOEUT_TEST_KILL_DURING_SAVE=<rank>:<step> makes that
 // rank kill itself with SIGKILL after writing part of its file for that step, as a crash would.
@@ -68,10 +66,6 @@ std::string dataset_name(const std::string& tensor, Kind k, int64_t i) {
 
 }  // namespace
 
-uint32_t crc32_of(const float* data, int64_t n) {
-  return uint32_t(crc32_z(0, reinterpret_cast<const Bytef*>(data), size_t(n) * sizeof(float)));
-}
-
 void write_shard_file(const std::string& path, const ShardHeader& h, const ParamLayout& full,
                       const std::vector<OwnedRange>& ranges, const OptimizerShard& shard) {
   {
@@ -107,7 +101,7 @@ void write_shard_file(const std::string& path, const ShardHeader& h, const Param
           check(dset.ok() && H5Dwrite(dset.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0, path,
                 "cannot write dataset '" + name + "'");
           h5::write_ints_attr(dset.get(), "start", box.start, path);
-          h5::write_int_attr(dset.get(), "crc32", crc32_of(data, n), path);
+          h5::write_int_attr(dset.get(), "crc32", h5::crc32_of(data, n), path);
           if (first) {
             check(H5Fflush(root, H5F_SCOPE_GLOBAL) >= 0, path, "cannot flush");
             test_hook_kill_during_save(h.rank, h.step);
@@ -194,7 +188,7 @@ void PieceReader::read(const Piece& p, float* dst) {
         "dataset '" + p.dataset + "' holds " + std::to_string(n) + " elements, the manifest says " + std::to_string(p.elements));
   check(H5Dread(dset.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) >= 0, path,
         "cannot read dataset '" + p.dataset + "' (truncated or corrupt?)");
-  const uint32_t crc = crc32_of(dst, n);
+  const uint32_t crc = h5::crc32_of(dst, n);
   char what[160];
   std::snprintf(what, sizeof what, "checksum mismatch (crc32 %08x, the manifest says %08x)", crc, p.crc32);
   check(crc == p.crc32, path, "dataset '" + p.dataset + "': " + what);

@@ -23,8 +23,6 @@ struct ShardHeader {
   uint64_t seed = 0;
 };
 
-uint32_t crc32_of(const float* data, int64_t n);
-
 // Writes `ranges` of shard (master values and both moments) as boxes of the tensors of `full`
 // (the whole model's layout), flushes and fsyncs. Throws h5::FileError naming the file.
 void write_shard_file(const std::string& path, const ShardHeader& header, const ParamLayout& full,

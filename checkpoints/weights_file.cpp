@@ -28,7 +28,12 @@ void write_file(const std::string& path, const ModelConfig& m, const float* para
     Handle file = h5::create_file(tmp);
     h5::write_model_attrs(file.get(), m, tmp);
     const ParamLayout layout(m);
-    for (const TensorSpec& t : layout.tensors()) h5::write_floats(file.get(), t.name, t.shape, params + t.offset, tmp);
+    for (const TensorSpec& t : layout.tensors()) {
+      h5::write_floats(file.get(), t.name, t.shape, params + t.offset, tmp);
+      Handle dset(H5Dopen2(file.get(), t.name.c_str(), H5P_DEFAULT), H5Dclose);
+      check(dset.ok(), tmp, "cannot open dataset '" + t.name + "'");
+      h5::write_int_attr(dset.get(), "crc32", h5::crc32_of(params + t.offset, t.numel), tmp);
+    }
     check(H5Fflush(file.get(), H5F_SCOPE_GLOBAL) >= 0, tmp, "cannot flush");
     h5::close_file(file, tmp);
   }
@@ -68,6 +73,16 @@ Weights read_file(const std::string& path) {
     check(bad == values + t.numel, path,
           "dataset '" + t.name + "' holds " + std::to_string(*bad) + " at element " + std::to_string(bad - values) +
               ": weights must be finite");
+    // Files of this project carry a checksum per dataset; interchange files from elsewhere may not.
+    const htri_t has_crc = H5Aexists(dset.get(), "crc32");
+    check(has_crc >= 0, path, "cannot read the attributes of dataset '" + t.name + "'");
+    if (has_crc > 0) {
+      const int64_t saved = h5::read_int_attr(dset.get(), "crc32", path);
+      const uint32_t crc = h5::crc32_of(values, t.numel);
+      check(int64_t(crc) == saved, path,
+            "dataset '" + t.name + "': checksum mismatch (crc32 " + std::to_string(crc) + ", its attribute says " +
+                std::to_string(saved) + ")");
+    }
   }
   return w;
 }

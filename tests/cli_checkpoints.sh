@@ -8,7 +8,8 @@
 #   evaluates to the training's final validation loss;
 # - the manifest's virtual datasets read (h5dump) the same values after the directory moved;
 # - a missing rank file and --resume latest with no checkpoint are refused, naming the file;
-# - a checkpoint_dir that is not one directory for every rank is refused at start-up.
+# - a checkpoint_dir that is not one directory for every rank is refused at start-up;
+# - metrics on a full disk end the run with status 74; a changed manifest byte is refused.
 # Usage: cli_checkpoints.sh BIN_DIR MPIEXEC WORK_DIR
 set -euo pipefail
 bin=$(cd "$1" && pwd) mpiexec=$2 work=$3
@@ -88,4 +89,27 @@ if "$mpiexec" --oversubscribe -np 1 --wdir "$work/rank0" "$bin/moeut-train" "${a
 fi
 grep -q "ckpt: is not the directory rank 0 sees (rank 1 finds no" "$work/err.txt" || { cat "$work/err.txt"; fail "unclear refusal"; }
 [ -z "$(ls -A "$work/rank0/ckpt")" ] || fail "the probe file was left behind"
+# A metrics file on a full disk ends the run with status 74 and the system's reason.
+short=("${small_model[@]}" --steps 2 --batch_size 4 --micro_batch_size 2 --eval_every 0 --threads 1 --ep 2 --device cpu
+       --train_data "$work/data/train.bin" --val_data "$work/data/val.bin" --out_weights "$work/x.h5")
+status=0
+"$mpiexec" -np 2 --oversubscribe "$bin/moeut-train" "${short[@]}" --metrics /dev/full > /dev/null 2> "$work/err.txt" ||
+  status=$?
+[ "$status" = 74 ] || { cat "$work/err.txt"; fail "metrics on a full disk: exit status $status, not 74"; }
+grep -q "write failed: /dev/full: cannot write the metrics: No space left on device" "$work/err.txt" ||
+  { cat "$work/err.txt"; fail "unclear metrics failure"; }
+# One byte of a manifest changed, the value of optimizer_steps (10 -> 11): refused by its checksum.
+cp -r "$work/ckpt/step_00000010" "$work/flipped"
+python3 - "$work/flipped/manifest.h5" <<'PY'
+import struct, sys
+data = bytearray(open(sys.argv[1], "rb").read())
+at = data.index(struct.pack("<q", 10), data.index(b"optimizer_steps"))
+data[at] = 11
+open(sys.argv[1], "wb").write(data)
+PY
+status=0
+train --resume "$work/flipped" --out_weights "$work/x.h5" --metrics "$work/x.jsonl" > /dev/null 2> "$work/err.txt" ||
+  status=$?
+[ "$status" = 1 ] || fail "a changed manifest: exit status $status, not 1"
+grep -q "flipped/manifest.h5: checksum mismatch" "$work/err.txt" || { cat "$work/err.txt"; fail "unclear refusal"; }
 echo "PASS: killed save left step 10; resumed bit-exactly; export = training weights; virtual datasets read back"
