@@ -4,6 +4,7 @@
 // outside its directory; one run at a time saves into a directory (the lock); what killed saves
 // leave is cleared; an older checkpoint can be continued when the newer ones are given up.
 #include <gtest/gtest.h>
+#include <hdf5.h>
 #include <omp.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -188,6 +189,47 @@ TEST(ManifestIntegrity, EveryFieldIsCrossCheckedWithTheRankFiles) {
     EXPECT_HAS(message, (fs::path(dir) / "rank_0.h5").string());
     EXPECT_HAS(message, words);
   }
+}
+
+herr_t copy_attribute(hid_t from, const char* name, const H5A_info_t*, void* to) {
+  const hid_t a = H5Aopen(from, name, H5P_DEFAULT), type = H5Aget_type(a), space = H5Aget_space(a);
+  std::vector<char> value(H5Aget_storage_size(a) + 1);
+  H5Aread(a, type, value.data());
+  const hid_t b = H5Acreate2(*static_cast<hid_t*>(to), name, type, space, H5P_DEFAULT, H5P_DEFAULT);
+  const herr_t written = H5Awrite(b, type, value.data());
+  H5Aclose(b);
+  H5Sclose(space);
+  H5Tclose(type);
+  H5Aclose(a);
+  return written;
+}
+
+// Checkpoints saved before manifests had a checksum line (format version 1) still load.
+TEST(ManifestIntegrity, VersionOneManifestsWithoutAChecksumLineAreStillRead) {
+  const fs::path work = fresh_dir("v1");
+  Config c = small_run(work);
+  train(c);
+  const std::string dir = step_directory(c.train.checkpoint_dir, 4);
+  const std::string path = (fs::path(dir) / "manifest.h5").string(), v1 = path + ".v1";
+  // What a version 1 writer wrote: the same groups and root attributes, no userblock.
+  hid_t from = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  hid_t to = H5Fcreate(v1.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  for (const char* group : {"train", "layout", "files", "pieces"})
+    ASSERT_GE(H5Ocopy(from, group, to, group, H5P_DEFAULT, H5P_DEFAULT), 0);
+  ASSERT_GE(H5Aiterate2(from, H5_INDEX_NAME, H5_ITER_NATIVE, nullptr, copy_attribute, &to), 0);
+  const int64_t one = 1;
+  const hid_t version = H5Aopen(to, "format_version", H5P_DEFAULT);
+  H5Awrite(version, H5T_NATIVE_INT64, &one);
+  H5Aclose(version);
+  H5Fclose(to);
+  H5Fclose(from);
+  fs::rename(v1, path);
+  const CheckpointWeights w = read_checkpoint_weights(dir);
+  c.train.checkpoint_dir.clear();
+  c.train.checkpoint_every = 0;
+  c.train.steps = 4;
+  c.train.resume = dir;
+  EXPECT_TRUE(train(c) == w.params) << "the version 1 manifest's checkpoint resumed to other parameters";
 }
 
 TEST(ManifestIntegrity, NamesNoFileOutsideItsDirectory) {
