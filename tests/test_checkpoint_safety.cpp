@@ -69,6 +69,19 @@ std::string read_text(const fs::path& path) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+// A run of its own that saved steps 2 and 4; step 4's directory and manifest.
+struct Saved {
+  Config config;
+  std::string dir, manifest;
+};
+
+Saved saved_run(const std::string& name) {
+  const Config c = small_run(fresh_dir(name));
+  train(c);
+  const std::string dir = step_directory(c.train.checkpoint_dir, 4);
+  return {c, dir, (fs::path(dir) / "manifest.h5").string()};
+}
+
 #define EXPECT_HAS(text, word) EXPECT_NE(std::string(text).find(word), std::string::npos) << (text)
 
 TEST(SaveFailure, AFullDiskEndsCleanlyNamingTheFileAndReasonAndKeepsTheCheckpointBefore) {
@@ -138,10 +151,9 @@ size_t attribute_value_offset(const std::string& bytes, const std::string& name,
 }
 
 TEST(ManifestIntegrity, ABitOfAnyFieldIsRefusedBeforeTheRunChanges) {
-  const fs::path work = fresh_dir("flip");
-  Config c = small_run(work);
-  train(c);
-  const fs::path manifest = fs::path(step_directory(c.train.checkpoint_dir, 4)) / "manifest.h5";
+  Saved s = saved_run("flip");
+  Config& c = s.config;
+  const fs::path manifest = s.manifest;
   std::string bytes = read_text(manifest);
   const size_t at = attribute_value_offset(bytes, "optimizer_steps", 4);
   ASSERT_NE(at, std::string::npos);
@@ -166,11 +178,9 @@ Manifest rewritable_manifest(const std::string& dir) {
 }
 
 TEST(ManifestIntegrity, EveryFieldIsCrossCheckedWithTheRankFiles) {
-  const fs::path work = fresh_dir("cross");
-  Config c = small_run(work);
-  train(c);
-  const std::string dir = step_directory(c.train.checkpoint_dir, 4);
-  const std::string path = (fs::path(dir) / "manifest.h5").string();
+  const Saved s = saved_run("cross");
+  const Config& c = s.config;
+  const std::string &dir = s.dir, &path = s.manifest;
   const Manifest saved = rewritable_manifest(dir);
   // Manifests that are whole (a valid checksum) but say another thing than the rank files.
   const std::vector<std::pair<std::string, std::function<void(Manifest&)>>> edits = {
@@ -206,11 +216,9 @@ herr_t copy_attribute(hid_t from, const char* name, const H5A_info_t*, void* to)
 
 // Checkpoints saved before manifests had a checksum line (format version 1) still load.
 TEST(ManifestIntegrity, VersionOneManifestsWithoutAChecksumLineAreStillRead) {
-  const fs::path work = fresh_dir("v1");
-  Config c = small_run(work);
-  train(c);
-  const std::string dir = step_directory(c.train.checkpoint_dir, 4);
-  const std::string path = (fs::path(dir) / "manifest.h5").string(), v1 = path + ".v1";
+  Saved s = saved_run("v1");
+  Config& c = s.config;
+  const std::string &dir = s.dir, &path = s.manifest, v1 = path + ".v1";
   // What a version 1 writer wrote: the same groups and root attributes, no userblock.
   hid_t from = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
   hid_t to = H5Fcreate(v1.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
@@ -233,11 +241,9 @@ TEST(ManifestIntegrity, VersionOneManifestsWithoutAChecksumLineAreStillRead) {
 }
 
 TEST(ManifestIntegrity, NamesNoFileOutsideItsDirectory) {
-  const fs::path work = fresh_dir("paths");
-  Config c = small_run(work);
-  train(c);
-  const std::string path = (fs::path(step_directory(c.train.checkpoint_dir, 4)) / "manifest.h5").string();
-  const Manifest saved = rewritable_manifest(step_directory(c.train.checkpoint_dir, 4));
+  const Saved s = saved_run("paths");
+  const std::string& path = s.manifest;
+  const Manifest saved = rewritable_manifest(s.dir);
   for (const std::string& name : std::vector<std::string>{"../step_00000002/rank_0.h5", "/etc/passwd", "rank_0.h5/../rank_0.h5"}) {
     Manifest m = saved;
     m.files[0] = name;
