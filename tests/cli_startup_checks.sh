@@ -92,6 +92,6 @@ done
 status=0
 "$bin/moeut-train" --threads 1 "${run[@]}" "${model[@]}" "${data[@]}" --metrics /dev/full \
   --out_weights "$work/w.h5" > "$work/full.txt" 2>&1 || status=$?
-[ "$status" = 1 ] && grep -q "cannot write metrics file '/dev/full': No space left on device" "$work/full.txt" ||
+[ "$status" = 74 ] && grep -q "/dev/full: cannot write the metrics: No space left on device" "$work/full.txt" ||
   { cat "$work/full.txt"; fail "a full disk under the metrics file: exit $status"; }
 echo "startup checks: ok"
