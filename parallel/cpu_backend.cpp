@@ -19,6 +19,8 @@ class CpuBackend final : public TrainingBackend {
     model_.init(c.train.seed);
   }
   const char* device() const override { return "cpu"; }
+  double peak_flops() const override { return 0; }
+  int64_t device_memory_in_use() const override { return 0; }
   const ParamLayout& layout() const override { return model_.layout(); }
   void zero_gradients() override { std::fill(model_.grads.begin(), model_.grads.end(), 0.f); }
   LossParts forward_backward(const int32_t* tokens, int64_t B, double weight) override {

@@ -101,6 +101,12 @@ class GpuBackend final : public TrainingBackend {
   }
   const char* device() const override { return model_.graphs() ? "cuda (passes replayed as CUDA graphs)" : "cuda"; }
   std::string memory_plan() const override { return memory_; }
+  double peak_flops() const override { return peak_flops_; }
+  int64_t device_memory_in_use() const override {
+    size_t free_bytes = 0, total_bytes = 0;
+    MOEUT_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return int64_t(total_bytes - free_bytes);
+  }
   const ParamLayout& layout() const override { return model_.layout(); }
   void zero_gradients() override { model_.zero_gradients(); }
   LossParts forward_backward(const int32_t* tokens, int64_t B, double weight) override {
@@ -155,6 +161,7 @@ class GpuBackend final : public TrainingBackend {
   NcclProcessGroups groups_;  // device communicators, ordered on stream_
   GpuModel model_;
   std::string memory_;  // see memory_plan()
+  double peak_flops_ = measure_bf16_peak_tflops() * 1e12;
   std::unique_ptr<GpuShardedAdamW> optimizer_;
 };
 

@@ -174,7 +174,8 @@ double Trainer::run() {
                 (long long)shard.count, (long long)cfg_.model.ff_n_experts, (long long)backend_->layout().total(),
                 backend_->optimizer_state_bytes() / 1e6, backend_->device(), omp_get_max_threads());
   if (const std::string memory = backend_->memory_plan(); leader() && !memory.empty())
-    std::printf("GPU memory on rank 0: %s\n", memory.c_str());
+    std::printf("GPU memory on rank 0: %s | bf16 product peak measured %.0f TFLOP/s (MFU's base)\n", memory.c_str(),
+                backend_->peak_flops() / 1e12);
   warn_if_bound_to_one_cpu();
   std::vector<int32_t> tokens(size_t(micro * (T + 1)));
   const int64_t first_sequence = groups_.world->rank() * local_batch_;
@@ -356,10 +357,16 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
                      double(recent_seconds_.size());
   const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   const double tokens_per_s = double(cfg_.train.batch_size * cfg_.model.context) / seconds;
+  // GPU ranks: MFU (the spec's FLOPs over the ranks' measured bf16 peaks) and rank 0's memory.
+  const double peak = backend_->peak_flops() * groups_.world->size();
+  const double mfu = peak > 0 ? tokens_per_s * cfg_.model.training_flops_per_token() / peak : NAN;
+  const double gib = double(backend_->device_memory_in_use()) / double(1ull << 30);
+  memory_peak_gib_ = std::max(memory_peak_gib_, gib);
   std::printf("step %5lld/%lld | loss %.4f | ce %.4f | reg %.5f | lr %.3e | grad_norm %.4f | residual_std %.3g | "
               "%.0f tok/s",
               (long long)step, (long long)cfg_.train.steps, loss.total(), loss.ce, loss.reg_ffn + loss.reg_att, lr,
               grad_norm, loss.residual_std, tokens_per_s);
+  if (peak > 0) std::printf(" | MFU %.1f%% | %.1f GiB", 100 * mfu, gib);
   if (traffic.comm_seconds > 0)
     std::printf(" | comm %.0f ms (%.0f%%) | dispatch %.1f MB", traffic.comm_seconds * 1e3,
                 100 * traffic.comm_seconds / seconds, double(traffic.dispatch_bytes) / 1e6);
@@ -370,11 +377,14 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
                 "{\"step\": %lld, \"loss\": %.8g, \"ce\": %.8g, \"reg_ffn\": %.8g, \"reg_att\": %.8g, "
                 "\"lr\": %.8g, \"grad_norm\": %s, \"residual_std\": %s, \"step_s\": %.6g, \"tokens_per_s\": %.1f, "
                 "\"eta_s\": %.1f, \"time\": %.3f, \"comm_s\": %.6g, \"comm_s_max\": %.6g, \"comm_s_mean\": %.6g, "
-                "\"dispatch_bytes\": %lld, \"dispatch_bytes_max\": %.0f, \"dispatch_bytes_mean\": %.0f}\n",
+                "\"dispatch_bytes\": %lld, \"dispatch_bytes_max\": %.0f, \"dispatch_bytes_mean\": %.0f, \"mfu\": %s, "
+                "\"gpu_memory_gib\": %s, \"gpu_memory_peak_gib\": %s}\n",
                 (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr,
                 json_number(grad_norm, "%.8g").c_str(), json_number(loss.residual_std, "%.6g").c_str(), seconds,
                 tokens_per_s, eta, now, traffic.comm_seconds, traffic.comm_max, traffic.comm_mean,
-                (long long)traffic.dispatch_bytes, traffic.dispatch_max, traffic.dispatch_mean);
+                (long long)traffic.dispatch_bytes, traffic.dispatch_max, traffic.dispatch_mean,
+                json_number(mfu, "%.5f").c_str(), json_number(peak > 0 ? gib : NAN, "%.3f").c_str(),
+                json_number(peak > 0 ? memory_peak_gib_ : NAN, "%.3f").c_str());
   write_metrics(line);
 }
 

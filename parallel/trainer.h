@@ -122,6 +122,7 @@ class Trainer {
   std::vector<double> losses_;
   std::vector<double> recent_norms_;  // the last steps' gradient norms, for watch_gradient_norm
   std::vector<double> recent_seconds_;  // the last steps' seconds, for the estimate of the time left
+  double memory_peak_gib_ = 0;          // the most device memory in use seen at a step's end
   int64_t start_step_ = 0;
   int64_t expert_window_start_ = 0;  // the first step of log_expert_load's window
   int64_t rows_received_before_ = 0;  // expert_rows_received() at that step

@@ -20,6 +20,10 @@ class TrainingBackend {
   virtual const char* device() const = 0;  // what the rank trains on, as its start-up line says
   // Where the rank's device memory goes, by kind, for the start-up lines; empty on the CPU.
   virtual std::string memory_plan() const { return {}; }
+  // The device's bf16 product peak in FLOP/s, measured at start (what MFU is counted against),
+  // and its memory in use now in bytes: 0 on the CPU, which reports neither.
+  virtual double peak_flops() const = 0;
+  virtual int64_t device_memory_in_use() const = 0;
   virtual const ParamLayout& layout() const = 0;  // this rank's part of the model
   virtual void zero_gradients() = 0;
   // Accumulates the gradient of weight · (mean CE + regularisers) of B sequences.

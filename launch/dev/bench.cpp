@@ -14,6 +14,7 @@
 
 #include "core/gpu_model.h"
 #include "core/model.h"
+#include "core/dense_products.h"
 #include "launch/dev/cuda_timing.h"
 #include "parallel/gpu_sharded_optimizer.h"
 
@@ -44,7 +45,7 @@ int main(int argc, char** argv) {
   try {
     const Config cfg = load_config_file(config_path);
     const ModelConfig& m = cfg.model;
-    const double peak = bench::cublas_peak_tflops();
+    const double peak = measure_bf16_peak_tflops();
     cudaDeviceProp prop;
     MOEUT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::vector<float> params;

@@ -21,6 +21,7 @@
 #include "core/side_stream.h"
 #include "kernels/cvmm_dev.h"
 #include "launch/dev/bench_routing.h"
+#include "core/dense_products.h"
 #include "launch/dev/cuda_timing.h"
 
 namespace {
@@ -251,7 +252,7 @@ int main(int argc, char** argv) {
   try {
     const int64_t tokens = args.size() > 0 ? std::stoll(args[0]) : 16384;
     const int reps = args.size() > 1 ? std::stoi(args[1]) : 20;
-    const double peak = bench::cublas_peak_tflops();
+    const double peak = measure_bf16_peak_tflops();
     std::printf("bf16 peak (cuBLAS 8192^3): %.1f TFLOP/s\n", peak);
     Rng rng(1);
     std::printf("routing: each token's experts %s\n", random_routing ? "drawn at random" : "at a fixed stride");

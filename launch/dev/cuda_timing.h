@@ -1,5 +1,5 @@
-// Timing helpers of the GPU benchmarks: event-timed medians and the bf16 matrix-product peak
-// that MFU is measured against, both measured in the benchmark's own run.
+// Timing helpers of the GPU benchmarks: event-timed medians and random device operands (the bf16
+// peak that MFU is measured against: measure_bf16_peak_tflops, core/dense_products.h).
 #pragma once
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -39,24 +39,6 @@ cuda::DeviceBuffer<T> random_device(size_t n, Rng& rng, float scale) {
   std::vector<T> h(n);
   for (auto& x : h) x = T(scale * float(rng.normal()));
   return cuda::DeviceBuffer<T>(h);
-}
-
-// TFLOP/s of a bf16 8192³ product through cuBLAS (fp32 accumulation), on random data.
-inline double cublas_peak_tflops() {
-  const int n = 8192;
-  Rng rng(5);
-  auto A = random_device<__nv_bfloat16>(size_t(n) * n, rng, 1.f), B = random_device<__nv_bfloat16>(size_t(n) * n, rng, 1.f);
-  cuda::DeviceBuffer<__nv_bfloat16> C{size_t(n) * n};
-  cublasHandle_t h;
-  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
-  const float one = 1.f, zero = 0.f;
-  const double ms = median_ms([&] {
-    if (cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, A.get(), CUDA_R_16BF, n, B.get(), CUDA_R_16BF, n, &zero,
-                     C.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
-      throw std::runtime_error("cublasGemmEx failed");
-  });
-  cublasDestroy(h);
-  return 2.0 * n * double(n) * n / (ms * 1e-3) / 1e12;
 }
 
 }  // namespace moeut::bench
