@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "core/hang_watchdog.h"
+#include "core/nvtx_range.h"
 #include "kernels/cast_cuda.h"
 #include "kernels/cuda_check.h"
 #include "kernels/embedding_cuda.h"
@@ -72,6 +73,9 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
       expert_load_(load_layout_.size()) {
   if (own_stream_) MOEUT_CUDA_CHECK(cudaStreamCreate(&stream_));
   dense_ = std::make_unique<DenseProducts>(cfg_.d_model, stream_);
+  for (int64_t l = 0; l < cfg_.n_layers; ++l)
+    layer_range_names_.push_back({.forward = "layer " + std::to_string(l) + " forward",
+                                  .backward = "layer " + std::to_string(l) + " backward"});
   side_ = std::make_unique<SideStream>(stream_);
   const int64_t T = cfg_.context, N = batch * T, d = cfg_.d_model, H = cfg_.n_heads;
   const int64_t hd = H * cfg_.d_head, he = H * cfg_.att_n_experts, hk = H * cfg_.att_k;
@@ -425,6 +429,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
     for (cuda::EntropyReg* reg : {reg_ffn_.get(), reg_att_v_.get(), reg_att_o_.get()}) reg->clear(stream_);
   }
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    const NvtxRange range(layer_range_names_[l].forward.c_str());
     attention_forward(l);
     ffn_forward(l);
   }
@@ -455,6 +460,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
     cuda::layernorm_backward(dres_.get(), param_grads_.out_norm_weight, param_grads_.out_norm_bias, dxf_.get(),
                              xhat_f_.get(), params_.out_norm_weight, rstd_f_.get(), N, d, stream_, dresb_.get());
     for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
+      const NvtxRange range(layer_range_names_[l].backward.c_str());
       ffn_backward(l);
       attention_backward(l);
     }

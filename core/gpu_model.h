@@ -9,6 +9,7 @@
 #include <array>
 #include <initializer_list>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/config.h"
@@ -278,6 +279,10 @@ class GpuModel {
   cuda::ExpertLoadCounter expert_load_;
   bool counting_experts_ = false;
   int64_t rows_received_ = 0;
+  struct LayerRangeNames {
+    std::string forward, backward;
+  };
+  std::vector<LayerRangeNames> layer_range_names_;  // NVTX ranges, per logical layer
 };
 
 

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "core/expert_load.h"
+#include "core/nvtx_range.h"
 #include "core/rng.h"
 #include "core/schedule.h"
 #include "core/stop_request.h"
@@ -205,6 +206,7 @@ double Trainer::run() {
         parts[size_t(7 + groups_.world->rank())] = kExitDataError;
       }
       const double share = double(micro) / double(t.batch_size);
+      const NvtxRange range("forward and backward");
       const LossParts part = backend_->forward_backward(tokens.data(), micro, share);
       parts[0] += share * part.ce;
       parts[1] += share * part.reg_ffn;
@@ -219,7 +221,10 @@ double Trainer::run() {
     stopping_ = parts[4] > 0 || parts[5] > 0;
     const LossParts loss{.ce = parts[0], .reg_ffn = parts[1], .reg_att = parts[2], .residual_std = parts[3]};
     const double lr = learning_rate(step, t);
-    const double norm = update(step + 1, lr, loss);
+    const double norm = [&] {
+      const NvtxRange range("optimizer");
+      return update(step + 1, lr, loss);
+    }();
     const double comm = backend_->take_communication_seconds();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     losses_.push_back(loss.total());
@@ -228,8 +233,14 @@ double Trainer::run() {
     watch_residual(step + 1, loss.residual_std);
     if (t.log_experts_every > 0 && (step + 1) % t.log_experts_every == 0) log_expert_load(step + 1);
     if (t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps && !stopping_)
-      log_validation(step + 1, validation_loss(t.eval_batches * micro), false);
-    if (after_step_) after_step_(step + 1);
+      log_validation(step + 1, [&] {
+        const NvtxRange range("validation");
+        return validation_loss(t.eval_batches * micro);
+      }(), false);
+    if (after_step_) {
+      const NvtxRange range("after the step (checkpoint saves)");
+      after_step_(step + 1);
+    }
     longest_iteration = std::max(
         longest_iteration, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     if (stopping_) {
