@@ -52,13 +52,15 @@ diff <(losses "$work/straight.jsonl" | awk -v s="$last" '$1 > s') <(losses "$wor
   > /dev/null || fail "resumed losses differ from the uninterrupted run's"
 h5diff "$work/straight.h5" "$work/resumed.h5" || fail "resumed weights differ from the uninterrupted run's"
 
-# Resuming the stopped checkpoint again into the finished run's metrics: each step once, one final row.
-mkdir -p "$work/again" && cp -r "$work/ckpt/step_$(printf %08d "$last")" "$work/again/"
-train --checkpoint_dir "$work/again" --resume auto --out_weights "$work/again.h5" --metrics "$work/resumed.jsonl" \
+# An older checkpoint resumed into a finished run's metrics: each step once, one final row.
+steps=6 train --checkpoint_dir "$work/older" --checkpoint_every 3 --out_weights "$work/older.h5" \
+  --metrics "$work/older.jsonl" > /dev/null
+mkdir -p "$work/again" && cp -r "$work/older/step_00000003" "$work/again/"
+steps=6 train --checkpoint_dir "$work/again" --resume auto --out_weights "$work/again.h5" --metrics "$work/older.jsonl" \
   > "$work/again.txt"
-[ "$(losses "$work/resumed.jsonl" | cut -d' ' -f1 | sort -n | uniq -d | wc -l)" = 0 ] ||
-  fail "a resumed run's metrics repeat steps"
-[ "$(grep -c '"final": true' "$work/resumed.jsonl")" = 1 ] || fail "a resumed run's metrics hold $(grep -c '"final": true' "$work/resumed.jsonl") final rows"
+[ "$(losses "$work/older.jsonl" | cut -d' ' -f1 | tr '\n' ' ')" = "1 2 3 4 5 6 " ] ||
+  fail "a resumed run's metrics hold steps $(losses "$work/older.jsonl" | cut -d' ' -f1 | tr '\n' ' ')"
+[ "$(grep -c '"final": true' "$work/older.jsonl")" = 1 ] || fail "a resumed run's metrics hold $(grep -c '"final": true' "$work/older.jsonl") final rows"
 
 steps=5 train --checkpoint_dir "$work/fresh" --resume auto --out_weights "$work/fresh.h5" \
   --metrics "$work/fresh.jsonl" > "$work/fresh.txt"
