@@ -4,7 +4,7 @@
 # filled serves for the tests and the training steps). PARTS (environment): which of "tests
 # kernels steps" run (default all three, about 8 minutes; "tests steps", the PERFORMANCE table
 # alone, about 4), or "seeds", the seed sweep (launch/gpu-seed-sweep.sh: 8 seeds of the 126M
-# recipe with a warm-up of 200 steps, which a faithful implementation trains on every seed (the
+# recipe with a warm-up of 200 steps, on which this code trained 8 of 8 seeds (the
 # sweep's default warm-up of 50 collapses some seeds in the official code too: docs/DESIGN.md,
 # "Training stability"); about 2 minutes on 4 GPUs, 5 on one; it fails when a seed diverges or
 # ends above 4.70).
