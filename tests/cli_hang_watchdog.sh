@@ -32,6 +32,6 @@ status=0
 wait "$run" || status=$?
 [ "$status" = 4 ] || fail "the job with a stopped rank ended $status, not 4 ($(tail -5 "$work/stopped.txt"))"
 [ $(( $(date +%s) - start )) -le 30 ] || fail "the watchdog took $(( $(date +%s) - start )) s"
-grep -qE "^moeut-train: rank [01]: no progress for [0-9]+ s in MPI_[A-Za-z]+(\([a-z0-9]+\))? on group '(world|expert-parallel)' \(--hang_timeout 3 s\)" \
+grep -qE "^moeut-train: rank [01]: no progress for [0-9]+ s in MPI_[A-Za-z_]+(\([a-z0-9]+\))? on group '(world|expert-parallel)' \(--hang_timeout 3 s\)" \
   "$work/stopped.txt" || fail "no report naming a rank's wait: $(grep -v '^step' "$work/stopped.txt" | head -5)"
 echo "PASS: a stopped rank ended the job with status 4 after $(( $(date +%s) - start )) s: $(grep -m1 -o "rank [01]: no progress.*group '[a-z-]*'" "$work/stopped.txt")"
