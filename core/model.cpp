@@ -371,7 +371,7 @@ template <typename T>
 LossParts Model<T>::forward_backward(const int32_t* tokens, int64_t B, double weight) {
   forward(tokens, B);
   const int64_t N = B * cfg_.context, d = cfg_.d_model;
-  count_expert_load(N);
+  if (counting_experts_) count_expert_load(N);
   if (!(weight > 0)) throw std::invalid_argument("forward_backward: weight must be positive");
   LossParts loss = regularisers(weight);
   // The cross-entropy gradient starts the backward pass at the output LayerNorm.

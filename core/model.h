@@ -65,8 +65,10 @@ class Model {
   // Sum of the cross-entropy over the B * context predictions (no regularisers, no gradients).
   double forward_ce_sum(const int32_t* tokens, int64_t B);
 
-  // The routers' choices in the forward_backward calls since the last call (ExpertLoadLayout's
-  // counts, then routing-weight sums), and a fresh count from here.
+  // Expert-load counting (core/expert_load.h) in forward_backward, off until switched on; the
+  // routers' choices since the last take (ExpertLoadLayout's counts, then routing-weight sums),
+  // and a fresh count from there.
+  void set_expert_counting(bool on) { counting_experts_ = on; }
   std::vector<double> take_expert_load();
 
   std::vector<T> params, grads;
@@ -113,6 +115,7 @@ class Model {
   std::unique_ptr<TokenDispatcher<T>> dispatcher_;
   ExpertLoadLayout load_layout_;
   std::vector<double> expert_load_;  // see take_expert_load
+  bool counting_experts_ = false;
 };
 
 }  // namespace moeut

@@ -17,6 +17,7 @@ class CpuBackend final : public TrainingBackend {
     else if (g.ep() > 1)
       model_.set_dispatcher(std::make_unique<AllToAllDispatcher>(*g.expert_parallel, c.model.ff_n_experts));
     model_.init(c.train.seed);
+    model_.set_expert_counting(c.train.log_experts_every > 0);
   }
   const char* device() const override { return "cpu"; }
   double peak_flops() const override { return 0; }

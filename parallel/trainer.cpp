@@ -342,20 +342,23 @@ std::vector<float> Trainer::full_parameters() {
   return out;
 }
 
-Trainer::Traffic Trainer::gather_traffic(double comm_seconds, int64_t dispatch_bytes) {
-  Traffic t{.comm_seconds = comm_seconds, .dispatch_bytes = dispatch_bytes};
+std::vector<Trainer::Spread> Trainer::spread_over_ranks(std::initializer_list<double> mine) {
   Communicator& world = *groups_.world;
-  const int ranks = world.size();
-  std::vector<double> each(size_t(2 * ranks), 0.0);  // every rank's comm seconds, then its bytes
-  each[size_t(world.rank())] = comm_seconds;
-  each[size_t(ranks + world.rank())] = double(dispatch_bytes);
+  const size_t ranks = size_t(world.size()), n = mine.size();
+  std::vector<double> each(n * ranks, 0.0);  // value i of rank r at i · ranks + r
+  for (size_t i = 0; i < n; ++i) each[i * ranks + size_t(world.rank())] = std::data(mine)[i];
   if (ranks > 1) world.all_reduce_sum(std::span<double>(each));
-  const auto comm = each.begin(), bytes = each.begin() + ranks;
-  t.comm_max = *std::max_element(comm, bytes);
-  t.comm_mean = std::accumulate(comm, bytes, 0.0) / ranks;
-  t.dispatch_max = *std::max_element(bytes, each.end());
-  t.dispatch_mean = std::accumulate(bytes, each.end(), 0.0) / ranks;
-  return t;
+  std::vector<Spread> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    const auto begin = each.begin() + ptrdiff_t(i * ranks), end = begin + ptrdiff_t(ranks);
+    out[i] = {.max = *std::max_element(begin, end), .mean = std::accumulate(begin, end, 0.0) / double(ranks)};
+  }
+  return out;
+}
+
+Trainer::Traffic Trainer::gather_traffic(double comm_seconds, int64_t dispatch_bytes) {
+  const std::vector<Spread> s = spread_over_ranks({comm_seconds, double(dispatch_bytes)});
+  return {.comm_seconds = comm_seconds, .dispatch_bytes = dispatch_bytes, .comm = s[0], .dispatch = s[1]};
 }
 
 void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds,
@@ -392,8 +395,8 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
                 "\"gpu_memory_gib\": %s, \"gpu_memory_peak_gib\": %s}\n",
                 (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr,
                 json_number(grad_norm, "%.8g").c_str(), json_number(loss.residual_std, "%.6g").c_str(), seconds,
-                tokens_per_s, eta, now, traffic.comm_seconds, traffic.comm_max, traffic.comm_mean,
-                (long long)traffic.dispatch_bytes, traffic.dispatch_max, traffic.dispatch_mean,
+                tokens_per_s, eta, now, traffic.comm_seconds, traffic.comm.max, traffic.comm.mean,
+                (long long)traffic.dispatch_bytes, traffic.dispatch.max, traffic.dispatch.mean,
                 json_number(mfu, "%.5f").c_str(), json_number(peak > 0 ? gib : NAN, "%.3f").c_str(),
                 json_number(peak > 0 ? memory_peak_gib_ : NAN, "%.3f").c_str());
   write_metrics(line);
@@ -436,25 +439,21 @@ void Trainer::log_expert_load(int64_t step) {
   std::vector<double> load = backend_->take_expert_load();
   Communicator& world = *groups_.world;
   world.all_reduce_sum(std::span<double>(load));
-  // Per rank, its slot filled: the token rows its experts were given, and the FFN selections its
-  // experts computed (the summed counts over the experts it holds).
-  const int ranks = world.size();
+  // Spread over the ranks: the token rows each rank's experts were given, and the FFN selections
+  // they computed (the summed counts over the experts it holds).
   const int64_t received = backend_->expert_rows_received();
-  std::vector<double> per_rank(size_t(2 * ranks), 0.0);
-  per_rank[size_t(world.rank())] = double(received - rows_received_before_);
-  rows_received_before_ = received;
   const ExpertShard shard = backend_->layout().shard();
+  double selections = 0;
   for (int64_t layer = 0; layer < layout.layers(); ++layer)
     for (int64_t e = 0; e < shard.count; ++e)
-      per_rank[size_t(ranks + world.rank())] += load[size_t(layout.offset(layer, ExpertKind::kFfn) + shard.begin + e)];
-  world.all_reduce_sum(std::span<double>(per_rank));
+      selections += load[size_t(layout.offset(layer, ExpertKind::kFfn) + shard.begin + e)];
+  const std::vector<Spread> spread = spread_over_ranks({double(received - rows_received_before_), selections});
+  rows_received_before_ = received;
   const int64_t first = expert_window_start_ + 1;
   expert_window_start_ = step;
   if (!leader()) return;
-  auto max_mean = [&](int64_t from) {
-    const auto begin = per_rank.begin() + from, end = begin + ranks;
-    return "{\"max\": " + json_number(*std::max_element(begin, end), "%.10g") +
-           ", \"mean\": " + json_number(std::accumulate(begin, end, 0.0) / ranks, "%.10g") + "}";
+  auto json = [](const Spread& s) {
+    return "{\"max\": " + json_number(s.max, "%.10g") + ", \"mean\": " + json_number(s.mean, "%.10g") + "}";
   };
   const std::vector<ExpertLoadStats> stats = expert_load_stats(layout, load);
   std::string line = "{\"step\": " + std::to_string(step) + ", \"expert_load\": {\"first_step\": " +
@@ -474,7 +473,7 @@ void Trainer::log_expert_load(int64_t step) {
     }
     line += "]}";
   }
-  line += "], \"rank_rows_received\": " + max_mean(0) + ", \"rank_ffn_selections\": " + max_mean(ranks) + "}}\n";
+  line += "], \"rank_rows_received\": " + json(spread[0]) + ", \"rank_ffn_selections\": " + json(spread[1]) + "}}\n";
   write_metrics(line);
   // The summary: per kind, dead experts and usage perplexity summed over the physical layers.
   std::printf("experts, steps %lld-%lld:", (long long)first, (long long)step);
@@ -488,10 +487,7 @@ void Trainer::log_expert_load(int64_t step) {
                 (long long)dead, (long long)experts, perplexity, (long long)experts, worst,
                 kind == ExpertKind::kAttentionOutput ? "" : " |");
   }
-  if (groups_.ep() > 1) {
-    const double mean = std::accumulate(per_rank.begin(), per_rank.begin() + ranks, 0.0) / ranks;
-    std::printf(" | rows received per rank: max %.3gx mean", *std::max_element(per_rank.begin(), per_rank.begin() + ranks) / mean);
-  }
+  if (groups_.ep() > 1) std::printf(" | rows received per rank: max %.3gx mean", spread[0].max / spread[0].mean);
   std::printf("\n");
   std::fflush(stdout);
 }

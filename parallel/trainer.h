@@ -5,8 +5,10 @@
 #include <cstdint>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/config.h"
 #include "core/token_file.h"
@@ -75,12 +77,18 @@ class Trainer {
   void after_step(std::function<void(int64_t steps_done)> hook) { after_step_ = std::move(hook); }
 
  private:
+  // A quantity's largest value and mean over the ranks.
+  struct Spread {
+    double max = 0, mean = 0;
+  };
+  // Each of this rank's values spread over the world's ranks (one all-reduce; a collective).
+  std::vector<Spread> spread_over_ranks(std::initializer_list<double> mine);
   // What a step sent between ranks: device time in collectives (GPU ranks) and expert-parallel
-  // token traffic, this rank's and the largest and mean over the ranks.
+  // token traffic, this rank's and their spread over the ranks.
   struct Traffic {
     double comm_seconds = 0;
     int64_t dispatch_bytes = 0;
-    double comm_max = 0, comm_mean = 0, dispatch_max = 0, dispatch_mean = 0;
+    Spread comm, dispatch;
   };
   // This rank's traffic with the ranks' largest and mean (a collective).
   Traffic gather_traffic(double comm_seconds, int64_t dispatch_bytes);

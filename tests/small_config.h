@@ -1,6 +1,9 @@
 // Small models and CPU training runs for tests: each test names the sizes it uses; 2 heads of
 // 8 with 3 attention experts choosing 2 are common to all.
 #pragma once
+#include <gtest/gtest.h>
+
+#include <filesystem>
 #include <string>
 
 #include "core/config.h"
@@ -54,6 +57,28 @@ inline Config small_run(const SmallModel& model, const SmallRun& run) {
   t.eval_every = 0;
   t.device = "cpu";  // exact CPU results, also on machines with a GPU
   return c;
+}
+
+// The model the checkpoint tests save, resume and damage.
+inline constexpr SmallModel kCheckpointModel{.d_model = 16, .n_layers = 2, .group_size = 1, .ff_n_experts = 6,
+                                             .ff_k = 2, .ff_expert_size = 8};
+
+// small_run of kCheckpointModel: `steps` steps of 4 sequences in micro-batches of 2, warm-up 3,
+// its token files and metrics in `work`.
+inline Config checkpoint_run(const std::filesystem::path& work, int64_t steps) {
+  return small_run(kCheckpointModel, {.steps = steps, .batch_size = 4, .micro_batch_size = 2, .warmup_steps = 3,
+                                      .train_data = (work / "train.bin").string(),
+                                      .val_data = (work / "val.bin").string(),
+                                      .metrics = (work / "metrics.jsonl").string()});
+}
+
+// An empty directory under the tests' temporary directory; `name` its own to the test (ctest
+// runs tests in parallel processes).
+inline std::filesystem::path fresh_test_dir(const std::string& name) {
+  const std::filesystem::path d = std::filesystem::path(testing::TempDir()) / name;
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
 }
 
 }  // namespace moeut::test

@@ -30,8 +30,7 @@ fs::path fresh_dir(const std::string& name) {
 }
 
 Config small_run(const std::string& tag) {
-  return test::small_run({.d_model = 16, .n_layers = 2, .group_size = 1, .ff_n_experts = 6, .ff_k = 2,
-                          .ff_expert_size = 8},
+  return test::small_run(test::kCheckpointModel,
                          {.steps = 20, .batch_size = 4, .micro_batch_size = 2, .warmup_steps = 3,
                           .train_data = temp("train_" + tag + ".bin").string(),
                           .val_data = temp("val_" + tag + ".bin").string(),

@@ -26,21 +26,11 @@ namespace fs = std::filesystem;
 namespace moeut {
 namespace {
 
-fs::path fresh_dir(const std::string& name) {
-  const fs::path d = fs::path(testing::TempDir()) / ("moeut_safety_" + name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path fresh_dir(const std::string& name) { return test::fresh_test_dir("moeut_safety_" + name); }
 
 // Saves every 2 steps of 4 into <work>/ckpt.
 Config small_run(const fs::path& work) {
-  Config c = test::small_run({.d_model = 16, .n_layers = 2, .group_size = 1, .ff_n_experts = 6, .ff_k = 2,
-                              .ff_expert_size = 8},
-                             {.steps = 4, .batch_size = 4, .micro_batch_size = 2, .warmup_steps = 3,
-                              .train_data = (work / "train.bin").string(),
-                              .val_data = (work / "val.bin").string(),
-                              .metrics = (work / "metrics.jsonl").string()});
+  Config c = test::checkpoint_run(work, 4);
   c.train.checkpoint_dir = (work / "ckpt").string();
   c.train.checkpoint_every = 2;
   return c;

@@ -97,22 +97,9 @@ void report(const char* what, const Counts& c) {
   EXPECT_EQ(c.crashes + c.hangs + c.silent, 0) << what;
 }
 
-// Of the test's own: ctest runs tests in parallel processes.
-fs::path work_dir(const std::string& name) {
-  const fs::path d = fs::path(testing::TempDir()) / ("moeut_corruption_" + name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path work_dir(const std::string& name) { return test::fresh_test_dir("moeut_corruption_" + name); }
 
-Config small_run(const fs::path& work) {
-  return test::small_run({.d_model = 16, .n_layers = 2, .group_size = 1, .ff_n_experts = 6, .ff_k = 2,
-                          .ff_expert_size = 8},
-                         {.steps = 4, .batch_size = 4, .micro_batch_size = 2, .warmup_steps = 3,
-                          .train_data = (work / "train.bin").string(),
-                          .val_data = (work / "val.bin").string(),
-                          .metrics = (work / "metrics.jsonl").string()});
-}
+Config small_run(const fs::path& work) { return test::checkpoint_run(work, 4); }
 
 std::vector<float> train(const Config& c) {
   const ProcessGroups g = ProcessGroups::single();
