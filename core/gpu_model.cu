@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "core/gpu_local_dispatcher.h"
 #include "core/hang_watchdog.h"
 #include "core/nvtx_range.h"
 #include "kernels/cast_cuda.h"
@@ -48,12 +49,9 @@ struct GpuModel::Layer {
   DeviceBuffer<float> lse;  // attention's row log-sum-exp, for its backward
   DeviceBuffer<int32_t> iv, io, i_ff;
   cuda::CvmmPlanBuffers plan_v, plan_o, plan_ff;  // kept from the forward to the backward pass
-  // Expert parallelism: where the tokens went, and the rows this rank received.
+  // The FFN dispatch: where its tokens went, and the rows it gave the experts here.
   std::unique_ptr<GpuTokenDispatcher::Route> route;
-  DeviceBuffer<bf16> recv_x;
-  DeviceBuffer<int32_t> recv_index;
-  DeviceBuffer<float> recv_weight;
-  int64_t received = 0;
+  GpuTokenDispatcher::Rows experts{};
 };
 
 using Kind = DeviceLedger::Kind;
@@ -80,8 +78,15 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   const int64_t T = cfg_.context, N = batch * T, d = cfg_.d_model, H = cfg_.n_heads;
   const int64_t hd = H * cfg_.d_head, he = H * cfg_.att_n_experts, hk = H * cfg_.att_k;
   const int64_t Ef = layout_.shard().count, kf = cfg_.ff_k, total = layout_.total();
-  if (make_dispatcher) dispatcher_ = make_dispatcher(N, stream_);
-  const int64_t M = dispatcher_ ? dispatcher_->max_received() : N;  // token rows the FFN experts here may see
+  if (make_dispatcher) {
+    dispatcher_ = make_dispatcher(N, stream_);
+  } else if (Ef != cfg_.ff_n_experts) {
+    throw std::invalid_argument("GpuModel: a shard of " + std::to_string(Ef) + " of " +
+                                std::to_string(cfg_.ff_n_experts) + " FFN experts needs a token dispatcher");
+  } else {
+    dispatcher_ = std::make_unique<LocalGpuDispatcher>(N);
+  }
+  const int64_t M = dispatcher_->max_rows();  // token rows the FFN experts here may see
   grads_ = ledger_.allocate<float>(Kind::kGradients, size_t(total));
   zero_gradients();
   working_ = ledger_.allocate<bf16>(Kind::kWeights, size_t(total));
@@ -100,12 +105,7 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
     L.heads = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * hd));
     L.v_sel = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * hk * cfg_.d_head));
     L.hidden = ledger_.allocate<bf16>(Kind::kActivations, size_t(M * kf * cfg_.ff_expert_size));
-    if (dispatcher_) {
-      L.route = dispatcher_->make_route();
-      L.recv_x = ledger_.allocate<bf16>(Kind::kExchange, size_t(M * d));
-      L.recv_index = ledger_.allocate<int32_t>(Kind::kExchange, size_t(M * kf));
-      L.recv_weight = ledger_.allocate<float>(Kind::kExchange, size_t(M * kf));
-    }
+    L.route = dispatcher_->make_route();
     for (auto* b : {&L.rstd1, &L.rstd2}) *b = ledger_.allocate<float>(Kind::kActivations, size_t(N));
     L.lse = ledger_.allocate<float>(Kind::kActivations, size_t(N * H));
     for (auto* b : {&L.zv, &L.zo}) *b = ledger_.allocate<float>(Kind::kActivations, size_t(N * he));
@@ -146,11 +146,6 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   att_dw_staging_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * hk * 128));  // positions x 128 (see CvmmWeightGradArgs::staging)
   dresb_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * d));
   dhidden_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(M * kf * cfg_.ff_expert_size));
-  if (dispatcher_) {
-    recv_rows_ = ledger_.allocate<float>(Kind::kExchange, size_t(M * d));
-    recv_dw_ = ledger_.allocate<float>(Kind::kExchange, size_t(M * kf));
-    recv_dy_ = ledger_.allocate<bf16>(Kind::kExchange, size_t(M * d));
-  }
   dv_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * hd));
   attn_in_ld_ = (2 * hd + 2 * he + 7) / 8 * 8;  // rows 16-byte multiples, for cuBLAS's aligned kernels
   attn_in_grad_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * attn_in_ld_));
@@ -186,11 +181,11 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   head_ = std::make_unique<cuda::LmHeadCE>(dense_->handle(), cfg_.n_tokens, d);
   for (const Layer& L : layers_) {
     ledger_.add(Kind::kActivations, L.plan_v.device_bytes() + L.plan_o.device_bytes() + L.plan_ff.device_bytes());
-    if (L.route) ledger_.add(Kind::kExchange, L.route->device_bytes());
+    ledger_.add(Kind::kExchange, L.route->device_bytes());
   }
   ledger_.add(Kind::kWorkspace, planner_->device_bytes() + attention_->device_bytes() + reg_ffn_->device_bytes() +
                                     reg_att_v_->device_bytes() + reg_att_o_->device_bytes() + head_->device_bytes());
-  if (dispatcher_) ledger_.add(Kind::kExchange, dispatcher_->device_bytes());
+  ledger_.add(Kind::kExchange, dispatcher_->device_bytes());
   ledger_.add(Kind::kWorkspace, expert_load_.device_bytes());
 }
 
@@ -337,34 +332,28 @@ void GpuModel::ffn_forward(int64_t l) {
   route(xn_.get(), routers_[g].ffn.get(),
         {{.groups = 1, .E = Ef, .k = kf, .z = L.z.get(), .index = L.i_ff.get(), .w = L.w_ff.get(),
           .means = reg_means(*reg_ffn_, l, L.z_lse.get()), .load_offset = load_layout_.offset(g, ExpertKind::kFfn)}});
-  if (!dispatcher_) {
-    mark(Part::kExperts);
-    experts_forward(l, L.i_ff.get(), y);
-    return;
-  }
   mark(Part::kExperts);
-  L.received = dispatcher_->dispatch(*L.route, L.x_midb.get(), L.i_ff.get(), L.w_ff.get(), N, L.recv_x.get(),
-                                     L.recv_index.get(), L.recv_weight.get());
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(L.received * d) * sizeof(float), stream_));
-  experts_forward(l, L.recv_index.get(), recv_rows_.get());
-  dispatcher_->combine(*L.route, recv_rows_.get(), y);
+  L.experts = dispatcher_->dispatch(
+      *L.route, {.x = L.x_midb.get(), .index = L.i_ff.get(), .weight = L.w_ff.get(), .rows = N, .out = y});
+  experts_forward(l);
+  dispatcher_->combine(*L.route);
 }
 
-void GpuModel::experts_forward(int64_t l, const int32_t* index, float* out) {
+void GpuModel::experts_forward(int64_t l) {
   Layer& L = layers_[l];
   const LayerTensors<bf16>& P = params_.layers[l % cfg_.group_size];
   const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
-  const ExpertRows in = expert_rows(l);
+  const GpuTokenDispatcher::Rows& in = L.experts;
   mark(Part::kExperts);
-  planner_->build(L.plan_ff, index, in.rows, 1, E, kf, cuda::CvmmRoute::kGatherToPositions, stream_);
+  planner_->build(L.plan_ff, in.index, in.rows, 1, E, kf, cuda::CvmmRoute::kGatherToPositions, stream_);
   cuda::cvmm_rows(L.plan_ff.view(),
-                  {.X = in.X, .W = P.keys, .weight = nullptr, .out = L.hidden.get(), .out_f32 = nullptr,
+                  {.X = in.x, .W = P.keys, .weight = nullptr, .out = L.hidden.get(), .out_f32 = nullptr,
                    .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es, .transpose_w = false, .accumulate = false,
                    .relu = cuda::CvmmRowsArgs::Relu::kApply},
                   stream_);
   cuda::cvmm_rows(L.plan_ff.view(true),
                   {.X = L.hidden.get(), .W = P.values, .weight = in.weight, .out = nullptr,
-                   .out_f32 = out, .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d, .transpose_w = false,
+                   .out_f32 = in.out, .dweight = nullptr, .dot_rows = nullptr, .K = es, .N = d, .transpose_w = false,
                    .accumulate = true, .out_rows = in.rows},
                   stream_);
 }
@@ -393,7 +382,7 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
   out.reg_att = reg_loss_host_.get()[1] / weight;
   if (pass == Pass::kTrain) {
     out.residual_std = residual_std_of(rstd_f_host_.get(), N);
-    for (const Layer& L : layers_) rows_received_ += dispatcher_ ? L.received : N;
+    for (const Layer& L : layers_) rows_received_ += L.experts.rows;
   }
   return out;
 }
@@ -402,10 +391,15 @@ void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
   graphs_.run(
       {.pass = pass, .B = B, .weight = weight, .profiled = profiler_.on(), .written_before = expert_grads_written_},
       stream_, [&] { enqueue(B, weight, pass); },
-      [&] { return PassState{.written = expert_grads_written_, .mark_parts = profiler_.parts()}; },
+      [&] {
+        PassState state{.written = expert_grads_written_, .mark_parts = profiler_.parts(), .experts = {}};
+        for (const Layer& L : layers_) state.experts.push_back(L.experts);
+        return state;
+      },
       [&](const PassState& after) {
         expert_grads_written_ = after.written;
         profiler_.set_parts(after.mark_parts);
+        for (size_t l = 0; l < layers_.size(); ++l) layers_[l].experts = after.experts[l];
       });
 }
 
@@ -510,17 +504,9 @@ void GpuModel::ffn_backward(int64_t l) {
   // so does LN2's.
   mark(Part::kOther);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * kf) * sizeof(float), stream_));
-  if (!dispatcher_) {
-    mark(Part::kExperts);
-    experts_backward(l, dresb_.get(), dres_.get(), dw_.get());
-  } else {
-    mark(Part::kExperts);
-    dispatcher_->dispatch_grad(*L.route, dresb_.get(), recv_dy_.get());
-    MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(L.received * d) * sizeof(float), stream_));
-    MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_dw_.get(), 0, size_t(L.received * kf) * sizeof(float), stream_));
-    experts_backward(l, recv_dy_.get(), recv_rows_.get(), recv_dw_.get());
-    dispatcher_->combine_grad(*L.route, recv_rows_.get(), recv_dw_.get(), dres_.get(), dw_.get());
-  }
+  mark(Part::kExperts);
+  experts_backward(l, dispatcher_->dispatch_grad(*L.route, {.dy = dresb_.get(), .dx = dres_.get(), .dw = dw_.get()}));
+  dispatcher_->combine_grad(*L.route);
   // The router: its gradient's rows padded to router_ld (zeros past Ef), its weight likewise.
   const int64_t ld = router_ld(Ef);
   routing_grad(reg_ffn_->gradient(g, L.z.get(), L.z_lse.get()), L.i_ff.get(), L.w_ff.get(),
@@ -536,24 +522,21 @@ void GpuModel::ffn_backward(int64_t l) {
   dense_->weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(g), N, ld);
 }
 
-GpuModel::ExpertRows GpuModel::expert_rows(int64_t l) const {
-  const Layer& L = layers_[l];
-  if (dispatcher_) return {.X = L.recv_x.get(), .weight = L.recv_weight.get(), .rows = L.received};
-  return {.X = L.x_midb.get(), .weight = L.w_ff.get(), .rows = B_ * cfg_.context};
-}
-
 GpuModel::WeightGradTurn GpuModel::weight_grad_turn(int64_t l) const {
   const int64_t r = l / cfg_.group_size, from_top = cfg_.repeats() - 1 - r;
   if (from_top % 2 == 1) return WeightGradTurn::kWithDeferred;
   return r > 0 ? WeightGradTurn::kDefer : WeightGradTurn::kAlone;
 }
 
-void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw) {
+void GpuModel::experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads) {
   Layer& L = layers_[l];
   const int64_t g = l % cfg_.group_size, G = cfg_.group_size;
   const LayerTensors<bf16>& P = params_.layers[g];
   const int64_t d = cfg_.d_model, E = layout_.shard().count, es = cfg_.ff_expert_size;
-  const ExpertRows in = expert_rows(l);
+  const GpuTokenDispatcher::Rows& in = L.experts;
+  const bf16* const dY = grads.dy;
+  float* const dX = grads.dx;
+  float* const dw = grads.dw;
   const WeightGradTurn turn = weight_grad_turn(l);
   // A deferring use keeps its output gradient and hidden-unit gradient in its physical layer's
   // slot until the use below runs the weight gradients of both.
@@ -568,15 +551,15 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
     MOEUT_CUDA_CHECK(cudaMemcpyAsync(deferred_dy, dY, size_t(in.rows * d) * sizeof(bf16), cudaMemcpyDeviceToDevice,
                                      stream_));
   // Each weight gradient runs on the side stream beside the input gradient that shares its
-  // inputs; the main stream waits for both before dhidden is written again. deferred(U, rows):
-  // the same product's plan and arguments for the deferred use U.
+  // inputs; the main stream waits for both before dhidden is written again. deferred(U): the
+  // same product's plan and arguments for the deferred use U.
   auto weight_grad = [&](const cuda::CvmmPlan& plan, const cuda::CvmmWeightGradArgs& a, auto deferred) {
     if (turn == WeightGradTurn::kDefer) return;
     side_->fork();
     if (turn == WeightGradTurn::kAlone) {
       cuda::cvmm_weight_grad(plan, a, side_->get());
     } else {
-      const auto [deferred_plan, deferred_args] = deferred(layers_[l + G], expert_rows(l + G));
+      const auto [deferred_plan, deferred_args] = deferred(layers_[l + G]);
       cuda::cvmm_weight_grad(deferred_plan, deferred_args, plan, a, side_->get());
     }
   };
@@ -584,9 +567,10 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
   weight_grad(L.plan_ff.view(true),
               {.A = L.hidden.get(), .B = dY, .weight = in.weight, .a_by_in_row = true, .dW = dvalues, .K = es, .N = d,
                .n_experts = E, .overwrite = overwrite},
-              [&](const Layer& U, const ExpertRows& rows) {
+              [&](const Layer& U) {
                 return std::pair{U.plan_ff.view(true),
-                                 cuda::CvmmWeightGradArgs{.A = U.hidden.get(), .B = deferred_dy, .weight = rows.weight,
+                                 cuda::CvmmWeightGradArgs{.A = U.hidden.get(), .B = deferred_dy,
+                                                          .weight = U.experts.weight,
                                                           .a_by_in_row = true, .dW = dvalues, .K = es, .N = d,
                                                           .n_experts = E, .overwrite = overwrite}};
               });
@@ -599,11 +583,11 @@ void GpuModel::experts_backward(int64_t l, const bf16* dY, float* dX, float* dw)
                   stream_);
   float* const dkeys = param_grads_.layers[g].keys;
   weight_grad(L.plan_ff.view(),
-              {.A = in.X, .B = dhidden, .weight = nullptr, .a_by_in_row = true, .dW = dkeys, .K = d, .N = es,
+              {.A = in.x, .B = dhidden, .weight = nullptr, .a_by_in_row = true, .dW = dkeys, .K = d, .N = es,
                .n_experts = E, .overwrite = overwrite},
-              [&](const Layer& U, const ExpertRows& rows) {
+              [&](const Layer& U) {
                 return std::pair{U.plan_ff.view(),
-                                 cuda::CvmmWeightGradArgs{.A = rows.X, .B = deferred_dh, .weight = nullptr,
+                                 cuda::CvmmWeightGradArgs{.A = U.experts.x, .B = deferred_dh, .weight = nullptr,
                                                           .a_by_in_row = true, .dW = dkeys, .K = d, .N = es,
                                                           .n_experts = E, .overwrite = overwrite}};
               });

@@ -36,9 +36,10 @@ class GpuModel {
  public:
   // Buffers planned for `batch` sequences, every FFN expert held here, work on a stream of its own.
   GpuModel(const ModelConfig& config, int64_t batch);
-  // This rank holds `shard` of the FFN experts; with a dispatcher (made by make_dispatcher) it
-  // exchanges tokens with the ranks that hold the others (every one of them must make the same
-  // calls). Work runs on `stream` (one of its own when null).
+  // This rank holds `shard` of the FFN experts; its dispatcher (made by make_dispatcher) exchanges
+  // tokens with the ranks that hold the others (every one of them must make the same calls).
+  // Without make_dispatcher the shard must be every expert, dispatched by LocalGpuDispatcher.
+  // Work runs on `stream` (one of its own when null).
   GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard, const GpuDispatcherFactory& make_dispatcher,
            cudaStream_t stream);
   ~GpuModel();
@@ -66,14 +67,15 @@ class GpuModel {
   cudaStream_t stream() const { return stream_; }
   // Training and loss passes over the planned batch replay as CUDA graphs: a pass runs eagerly
   // the first time its kind, weight and gradient state are seen, is captured the second time,
-  // and is replayed from then on, so its thousands of launches cost one. Not with expert
-  // parallelism (its exchanges size buffers on the host), nor after set_graphs(false) or with
-  // MOEUT_NO_GRAPHS=1 in the environment.
+  // and is replayed from then on, so its thousands of launches cost one. Not with a dispatcher
+  // that waits on the host (see GpuTokenDispatcher::host_synchronous), nor after
+  // set_graphs(false) or with MOEUT_NO_GRAPHS=1 in the environment.
   void set_graphs(bool on) { graphs_on_ = on; }
-  bool graphs() const { return graphs_on_ && !dispatcher_; }  // whether training and loss passes replay
+  // Whether training and loss passes replay.
+  bool graphs() const { return graphs_on_ && !dispatcher_->host_synchronous(); }
   // How many kinds of pass are captured (replayed on their next sight).
   int64_t captured_passes() const { return graphs_.captured(); }
-  int64_t dispatch_bytes() const { return dispatcher_ ? dispatcher_->bytes_sent() : 0; }  // sent to other ranks
+  int64_t dispatch_bytes() const { return dispatcher_->bytes_sent(); }  // sent to other ranks
   // Token rows the FFN experts here were given in training passes (their own and received).
   int64_t expert_rows_received() const { return rows_received_; }
   // Expert-load counting (core/expert_load.h) in training passes, on the device beside each
@@ -111,20 +113,12 @@ class GpuModel {
   void attention_forward(int64_t l);
   void ffn_forward(int64_t l);
   void ffn_backward(int64_t l);
-  // Layer l's token rows that the FFN experts here see: inputs, routing weights, count (the rows
-  // received from the group under expert parallelism, once dispatched).
-  struct ExpertRows {
-    const bf16* X;
-    const float* weight;
-    int64_t rows;
-  };
-  ExpertRows expert_rows(int64_t l) const;
-  // The FFN experts held here over layer l's expert_rows (index: their local expert ids, -1 where
-  // the expert is elsewhere); out (fp32) += the weighted expert outputs.
-  void experts_forward(int64_t l, const int32_t* index, float* out);
-  // Their backward from dY, the gradient of their outputs: dX (fp32) += input gradients, dw
-  // (zeroed by the caller) += routing-weight gradients, and the expert-weight gradients.
-  void experts_backward(int64_t l, const bf16* dY, float* dX, float* dw);
+  // The FFN experts held here over layer l's rows as its dispatch gave them (kept in the layer):
+  // their out += the weighted expert outputs.
+  void experts_forward(int64_t l);
+  // Their backward from grads.dy, the gradient of their outputs: grads.dx += input gradients,
+  // grads.dw += routing-weight gradients, and the expert-weight gradients.
+  void experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads);
   // The FFN expert-weight gradients of two uses of a physical layer run as one product (see
   // cuda::cvmm_weight_grad): going down, a use with an unpaired use below it defers its own,
   // keeping its output and hidden-unit gradients in its physical layer's slot, and the use below
@@ -186,7 +180,7 @@ class GpuModel {
   ModelConfig cfg_;
   ParamLayout layout_;
   DeviceLedger ledger_;  // every buffer below is allocated through it
-  std::unique_ptr<GpuTokenDispatcher> dispatcher_;  // expert parallelism; none when every expert is here
+  std::unique_ptr<GpuTokenDispatcher> dispatcher_;  // the FFN layers' (see the constructor)
   int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
   bool regularised_ = false;  // the pass being enqueued has the regularisers (all but evaluation)
   bool backward_ = false;     // and a backward pass (its forward keeps the LayerNorms' x̂ for it)
@@ -240,9 +234,6 @@ class GpuModel {
   // is one product.
   cuda::DeviceBuffer<bf16> attn_in_grad_, attn_in_weights_;
   int64_t attn_in_ld_ = 0;
-  // Expert parallelism: rows received from the group (scratch; the forward's are per layer).
-  cuda::DeviceBuffer<float> recv_rows_, recv_dw_;
-  cuda::DeviceBuffer<bf16> recv_dy_;
   cuda::DeviceBuffer<double> reg_loss_;
   std::unique_ptr<cuda::CausalAttention> attention_;
   // The regularisers' means per physical layer: the FFN router's and the attention's two.
@@ -255,7 +246,8 @@ class GpuModel {
   // Captured passes (see set_graphs), keyed by what the captured work depends on: the pass, its
   // batch, its weight, whether it is profiled, and which physical layers' expert gradients are
   // written (which decides whether their first weight gradient writes or adds). A replay leaves
-  // that state, and the parts of its marks, as the captured pass did.
+  // that state, the parts of its marks, and the rows each layer's dispatch gave the experts (which
+  // run() counts) as the captured pass did.
   struct PassKey {
     Pass pass;
     int64_t B;
@@ -267,6 +259,7 @@ class GpuModel {
   struct PassState {
     std::vector<char> written;
     std::vector<Part> mark_parts;
+    std::vector<GpuTokenDispatcher::Rows> experts;  // per logical layer
   };
   PassGraphCache<PassKey, PassState> graphs_;
   bool graphs_on_ = true;

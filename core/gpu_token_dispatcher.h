@@ -1,9 +1,10 @@
-// Expert dispatch between GPU ranks as GpuModel's FFN layers see it, the device counterpart of
-// TokenDispatcher (token_dispatcher.h): the model routes its tokens, the dispatcher takes each
-// token row to the ranks that hold its selected experts and brings their outputs back, and the
-// backward pass sends gradients the same way. parallel/gpu_all_to_all_dispatcher.h implements it
-// over a device communicator; a model holding every expert needs none (GpuModel computes its
-// experts in place).
+// Expert dispatch as GpuModel's FFN layers see it, the device counterpart of TokenDispatcher
+// (token_dispatcher.h): the router picks each token's experts, the dispatcher says where the
+// experts held here read their rows and write their outputs, and brings the outputs back to the
+// tokens; the backward pass the same way for the gradients. Two implementations:
+// LocalGpuDispatcher (core/gpu_local_dispatcher.h), for a model holding every expert, lets the
+// experts read and write the tokens' own buffers; GpuAllToAllDispatcher
+// (parallel/gpu_all_to_all_dispatcher.h) exchanges rows with the ranks holding the others.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -16,30 +17,50 @@ namespace moeut {
 
 class GpuTokenDispatcher {
  public:
-  // Where one dispatch sent each token: made once per layer, kept from its forward to its
-  // backward pass; only the dispatcher that made it reads it.
+  // A layer's dispatch, made once per layer and kept from its forward to its backward pass:
+  // what it sent where, and the rows its experts were given. Only the dispatcher that made it
+  // reads it.
   class Route {
    public:
     virtual ~Route() = default;
     virtual int64_t device_bytes() const = 0;
   };
 
+  // Token rows with their routing, for the FFN experts: x [rows, d] with index and weight
+  // [rows, k]; the experts' weighted outputs are added into out [rows, d] (fp32). Passed to
+  // dispatch in token order with global expert ids; returned where the experts here read and add,
+  // with their local ids (-1 where the expert is elsewhere). The returned x, index and weight stay
+  // valid until the route's next dispatch (the backward pass reads them), out until combine.
+  struct Rows {
+    const __nv_bfloat16* x;
+    const int32_t* index;
+    const float* weight;
+    int64_t rows;
+    float* out;
+  };
+  // Their backward: dy [rows, d], the gradient of the outputs; dx [rows, d] (fp32) += the input
+  // gradients; dw [rows, k] += the routing-weight gradients. Passed to dispatch_grad in token
+  // order (dw zeroed by the caller), for the rows of the forward's dispatch; returned where the
+  // expert backward reads and adds, valid until combine_grad.
+  struct GradRows {
+    const __nv_bfloat16* dy;
+    float* dx;
+    float* dw;
+  };
+
   virtual ~GpuTokenDispatcher() = default;
   virtual std::unique_ptr<Route> make_route() const = 0;
-  virtual int64_t max_received() const = 0;  // token rows a rank can receive in one dispatch
+  virtual int64_t max_rows() const = 0;  // token rows the experts here may be given in one dispatch
+  // Whether dispatch waits on the host (exchanged counts size the buffers), which a CUDA graph
+  // cannot capture.
+  virtual bool host_synchronous() const = 0;
 
-  // Sends x [tokens, d] with index/weight [tokens, k] (global expert ids); fills recv_x
-  // [received, d], recv_index [received, k] (local ids, -1: not here) and recv_weight.
-  // Returns the number of rows received.
-  virtual int64_t dispatch(Route& route, const __nv_bfloat16* x, const int32_t* index, const float* weight,
-                           int64_t tokens, __nv_bfloat16* recv_x, int32_t* recv_index, float* recv_weight) = 0;
-  // Returns recv_y [received, d] to the senders; out [tokens, d] += the rows of each token.
-  virtual void combine(const Route& route, const float* recv_y, float* out) = 0;
-  // Backward: dy [tokens, d] to the same ranks as the forward rows, into recv_dy.
-  virtual void dispatch_grad(const Route& route, const __nv_bfloat16* dy, __nv_bfloat16* recv_dy) = 0;
-  // Returns recv_dx [received, d] and recv_dw [received, k]; dx [tokens, d] += the rows of each
-  // token, and dw [tokens, k] receives each slot's routing-weight gradient from its expert's rank.
-  virtual void combine_grad(const Route& route, const float* recv_dx, const float* recv_dw, float* dx, float* dw) = 0;
+  virtual Rows dispatch(Route& route, const Rows& tokens) = 0;
+  // The experts' outputs, in the out that dispatch returned, added into the tokens' out.
+  virtual void combine(Route& route) = 0;
+  virtual GradRows dispatch_grad(Route& route, const GradRows& tokens) = 0;
+  // The expert backward's dx and dw, where dispatch_grad returned them, added into the tokens'.
+  virtual void combine_grad(Route& route) = 0;
 
   virtual int64_t bytes_sent() const = 0;  // to other ranks, since construction
   virtual int64_t device_bytes() const = 0;  // its own buffers (routes report theirs)

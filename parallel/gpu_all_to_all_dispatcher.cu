@@ -55,7 +55,7 @@ __global__ void pack(bf16* send_x, int32_t* send_index, float* send_weight, cons
   }
 }
 
-// out[n] += Σ_r rows[position[r·N + n]]; slots_out[n] = Σ_r slots[...] (one rank holds each
+// out[n] += Σ_r rows[position[r·N + n]]; slots_out[n] += Σ_r slots[...] (one rank holds each
 // slot's expert; the others returned zero for it).
 __global__ void gather_back(float* out, float* slots_out, const float* rows, const float* slots,
                             const int32_t* position, int N, int d, int k, int ranks) {
@@ -77,7 +77,7 @@ __global__ void gather_back(float* out, float* slots_out, const float* rows, con
       const int p = position[r * N + n];
       if (p >= 0) s += slots[int64_t(p) * k + j];
     }
-    slots_out[int64_t(n) * k + j] = s;
+    slots_out[int64_t(n) * k + j] += s;
   }
 }
 
@@ -99,7 +99,10 @@ GpuAllToAllDispatcher::GpuAllToAllDispatcher(Communicator& expert_parallel, int6
       send_x_(size_t(ranks_ * max_tokens * d)),
       send_weight_(size_t(ranks_ * max_tokens * k)),
       back_rows_(size_t(ranks_ * max_tokens * d)),
-      back_weight_(size_t(ranks_ * max_tokens * k)) {
+      back_weight_(size_t(ranks_ * max_tokens * k)),
+      recv_rows_(size_t(ranks_ * max_tokens * d)),
+      recv_dw_(size_t(ranks_ * max_tokens * k)),
+      recv_dy_(size_t(ranks_ * max_tokens * d)) {
   if (d % 8 != 0) throw std::invalid_argument("GpuAllToAllDispatcher: d_model must be a multiple of 8");
   size_t bytes = 0;
   MOEUT_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, bytes, flags_.get(), flags_.get(), int(flags_.size())));
@@ -109,6 +112,9 @@ GpuAllToAllDispatcher::GpuAllToAllDispatcher(Communicator& expert_parallel, int6
 std::unique_ptr<GpuTokenDispatcher::Route> GpuAllToAllDispatcher::make_route() const {
   auto r = std::make_unique<Sends>();
   r->position = cuda::DeviceBuffer<int32_t>(size_t(ranks_ * max_tokens_));
+  r->recv_x = cuda::DeviceBuffer<bf16>(size_t(max_rows() * d_));
+  r->recv_index = cuda::DeviceBuffer<int32_t>(size_t(max_rows() * k_));
+  r->recv_weight = cuda::DeviceBuffer<float>(size_t(max_rows() * k_));
   return r;
 }
 
@@ -117,18 +123,18 @@ void GpuAllToAllDispatcher::count(int64_t row_bytes, const std::vector<int64_t>&
     if (r != rank_) bytes_sent_ += rows[size_t(r)] * row_bytes;
 }
 
-int64_t GpuAllToAllDispatcher::dispatch(Route& made, const bf16* x, const int32_t* index, const float* weight,
-                                        int64_t tokens, bf16* recv_x, int32_t* recv_index, float* recv_weight) {
+GpuTokenDispatcher::Rows GpuAllToAllDispatcher::dispatch(Route& made, const Rows& in) {
   Sends& route = static_cast<Sends&>(made);
-  if (tokens > max_tokens_)
-    throw std::invalid_argument("GpuAllToAllDispatcher: " + std::to_string(tokens) + " tokens, planned for " +
+  if (in.rows > max_tokens_)
+    throw std::invalid_argument("GpuAllToAllDispatcher: " + std::to_string(in.rows) + " tokens, planned for " +
                                 std::to_string(max_tokens_));
-  const int N = int(tokens), slots = ranks_ * N;
-  route.tokens = tokens;
+  const int N = int(in.rows), slots = ranks_ * N;
+  route.tokens = in.rows;
+  route.out = in.out;
   std::vector<int32_t> counts(size_t(ranks_), 0);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(send_counts_.get(), 0, size_t(ranks_) * sizeof(int32_t), stream_));
   if (N > 0) {
-    mark_destinations<<<(N + 255) / 256, 256, 0, stream_>>>(flags_.get(), send_counts_.get(), index, N, int(k_),
+    mark_destinations<<<(N + 255) / 256, 256, 0, stream_>>>(flags_.get(), send_counts_.get(), in.index, N, int(k_),
                                                             int(n_experts_), ranks_);
     MOEUT_CUDA_CHECK(cudaGetLastError());
     size_t bytes = scan_scratch_.size();
@@ -136,8 +142,8 @@ int64_t GpuAllToAllDispatcher::dispatch(Route& made, const bf16* x, const int32_
                                                    stream_));
     unmark<<<(slots + 255) / 256, 256, 0, stream_>>>(route.position.get(), flags_.get(), slots);
     MOEUT_CUDA_CHECK(cudaGetLastError());
-    pack<<<slots, 128, 0, stream_>>>(send_x_.get(), send_index_.get(), send_weight_.get(), route.position.get(), x, index,
-                                     weight, N, int(d_), int(k_), int(n_experts_), ranks_);
+    pack<<<slots, 128, 0, stream_>>>(send_x_.get(), send_index_.get(), send_weight_.get(), route.position.get(), in.x,
+                                     in.index, in.weight, N, int(d_), int(k_), int(n_experts_), ranks_);
     MOEUT_CUDA_CHECK(cudaGetLastError());
   }
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(counts.data(), send_counts_.get(), size_t(ranks_) * sizeof(int32_t),
@@ -150,47 +156,59 @@ int64_t GpuAllToAllDispatcher::dispatch(Route& made, const bf16* x, const int32_
   route.received = comm_.all_to_all(route.sent);
   route.received_rows = std::accumulate(route.received.begin(), route.received.end(), int64_t(0));
   comm_.all_to_all_v(reinterpret_cast<const uint16_t*>(send_x_.get()), scaled_counts(route.sent, d_),
-                     reinterpret_cast<uint16_t*>(recv_x), scaled_counts(route.received, d_));
-  comm_.all_to_all_v(send_index_.get(), scaled_counts(route.sent, k_), recv_index, scaled_counts(route.received, k_));
-  comm_.all_to_all_v(send_weight_.get(), scaled_counts(route.sent, k_), recv_weight, scaled_counts(route.received, k_));
+                     reinterpret_cast<uint16_t*>(route.recv_x.get()), scaled_counts(route.received, d_));
+  comm_.all_to_all_v(send_index_.get(), scaled_counts(route.sent, k_), route.recv_index.get(),
+                     scaled_counts(route.received, k_));
+  comm_.all_to_all_v(send_weight_.get(), scaled_counts(route.sent, k_), route.recv_weight.get(),
+                     scaled_counts(route.received, k_));
   count(d_ * int64_t(sizeof(bf16)) + k_ * int64_t(sizeof(int32_t) + sizeof(float)), route.sent);
-  return route.received_rows;
+  // The experts add into their rows, which go back to the senders.
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(route.received_rows * d_) * sizeof(float), stream_));
+  return {.x = route.recv_x.get(), .index = route.recv_index.get(), .weight = route.recv_weight.get(),
+          .rows = route.received_rows, .out = recv_rows_.get()};
 }
 
-void GpuAllToAllDispatcher::combine(const Route& made, const float* recv_y, float* out) {
+void GpuAllToAllDispatcher::combine(Route& made) {
   const Sends& route = static_cast<const Sends&>(made);
-  comm_.all_to_all_v(recv_y, scaled_counts(route.received, d_), back_rows_.get(), scaled_counts(route.sent, d_));
+  comm_.all_to_all_v(recv_rows_.get(), scaled_counts(route.received, d_), back_rows_.get(),
+                     scaled_counts(route.sent, d_));
   count(d_ * int64_t(sizeof(float)), route.received);
   if (route.tokens == 0) return;
-  gather_back<<<unsigned(route.tokens), 128, 0, stream_>>>(out, nullptr, back_rows_.get(), nullptr,
+  gather_back<<<unsigned(route.tokens), 128, 0, stream_>>>(route.out, nullptr, back_rows_.get(), nullptr,
                                                           route.position.get(), int(route.tokens), int(d_), int(k_),
                                                           ranks_);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
-void GpuAllToAllDispatcher::dispatch_grad(const Route& made, const bf16* dy, bf16* recv_dy) {
-  const Sends& route = static_cast<const Sends&>(made);
+GpuTokenDispatcher::GradRows GpuAllToAllDispatcher::dispatch_grad(Route& made, const GradRows& grads) {
+  Sends& route = static_cast<Sends&>(made);
+  route.grads = grads;
   const int N = int(route.tokens);
   if (N > 0) {
-    pack<<<ranks_ * N, 128, 0, stream_>>>(send_x_.get(), nullptr, nullptr, route.position.get(), dy, nullptr, nullptr, N,
-                                          int(d_), int(k_), int(n_experts_), ranks_);
+    pack<<<ranks_ * N, 128, 0, stream_>>>(send_x_.get(), nullptr, nullptr, route.position.get(), grads.dy, nullptr,
+                                          nullptr, N, int(d_), int(k_), int(n_experts_), ranks_);
     MOEUT_CUDA_CHECK(cudaGetLastError());
   }
   comm_.all_to_all_v(reinterpret_cast<const uint16_t*>(send_x_.get()), scaled_counts(route.sent, d_),
-                     reinterpret_cast<uint16_t*>(recv_dy), scaled_counts(route.received, d_));
+                     reinterpret_cast<uint16_t*>(recv_dy_.get()), scaled_counts(route.received, d_));
   count(d_ * int64_t(sizeof(bf16)), route.sent);
+  // The expert backward adds into both, which go back to the senders.
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_rows_.get(), 0, size_t(route.received_rows * d_) * sizeof(float), stream_));
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(recv_dw_.get(), 0, size_t(route.received_rows * k_) * sizeof(float), stream_));
+  return {.dy = recv_dy_.get(), .dx = recv_rows_.get(), .dw = recv_dw_.get()};
 }
 
-void GpuAllToAllDispatcher::combine_grad(const Route& made, const float* recv_dx, const float* recv_dw, float* dx,
-                                         float* dw) {
+void GpuAllToAllDispatcher::combine_grad(Route& made) {
   const Sends& route = static_cast<const Sends&>(made);
-  comm_.all_to_all_v(recv_dx, scaled_counts(route.received, d_), back_rows_.get(), scaled_counts(route.sent, d_));
-  comm_.all_to_all_v(recv_dw, scaled_counts(route.received, k_), back_weight_.get(), scaled_counts(route.sent, k_));
+  comm_.all_to_all_v(recv_rows_.get(), scaled_counts(route.received, d_), back_rows_.get(),
+                     scaled_counts(route.sent, d_));
+  comm_.all_to_all_v(recv_dw_.get(), scaled_counts(route.received, k_), back_weight_.get(),
+                     scaled_counts(route.sent, k_));
   count((d_ + k_) * int64_t(sizeof(float)), route.received);
   if (route.tokens == 0) return;
-  gather_back<<<unsigned(route.tokens), 128, 0, stream_>>>(dx, dw, back_rows_.get(), back_weight_.get(),
-                                                          route.position.get(), int(route.tokens), int(d_), int(k_),
-                                                          ranks_);
+  gather_back<<<unsigned(route.tokens), 128, 0, stream_>>>(route.grads.dx, route.grads.dw, back_rows_.get(),
+                                                          back_weight_.get(), route.position.get(), int(route.tokens),
+                                                          int(d_), int(k_), ranks_);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -6,7 +6,8 @@
 // over the expert-parallel communicator. The receiving rank runs its experts over everything it
 // received and returns one fp32 row per received row, which the sender adds up. The backward
 // pass reuses the forward's route: output gradients go the same way, input gradients and
-// routing-weight gradients come back.
+// routing-weight gradients come back. The exchanged counts size the rows on the host, so passes
+// through it are not captured as CUDA graphs.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -29,26 +30,35 @@ class GpuAllToAllDispatcher final : public GpuTokenDispatcher {
                         cudaStream_t stream);
 
   std::unique_ptr<Route> make_route() const override;
-  int64_t max_received() const override { return ranks_ * max_tokens_; }
-  int64_t dispatch(Route& route, const __nv_bfloat16* x, const int32_t* index, const float* weight, int64_t tokens,
-                   __nv_bfloat16* recv_x, int32_t* recv_index, float* recv_weight) override;
-  void combine(const Route& route, const float* recv_y, float* out) override;
-  void dispatch_grad(const Route& route, const __nv_bfloat16* dy, __nv_bfloat16* recv_dy) override;
-  void combine_grad(const Route& route, const float* recv_dx, const float* recv_dw, float* dx, float* dw) override;
+  int64_t max_rows() const override { return ranks_ * max_tokens_; }
+  bool host_synchronous() const override { return true; }
+  Rows dispatch(Route& route, const Rows& tokens) override;
+  void combine(Route& route) override;
+  GradRows dispatch_grad(Route& route, const GradRows& grads) override;
+  void combine_grad(Route& route) override;
   int64_t bytes_sent() const override { return bytes_sent_; }
   int64_t device_bytes() const override {
     return flags_.bytes() + send_index_.bytes() + send_counts_.bytes() + scan_scratch_.bytes() + send_x_.bytes() +
-           send_weight_.bytes() + back_rows_.bytes() + back_weight_.bytes();
+           send_weight_.bytes() + back_rows_.bytes() + back_weight_.bytes() + recv_rows_.bytes() + recv_dw_.bytes() +
+           recv_dy_.bytes();
   }
 
  private:
-  // This dispatcher's Route: each token's row in the send buffer per rank, and the rows sent to
-  // and received from each rank.
+  // This dispatcher's Route: each token's row in the send buffer per rank, the rows sent to and
+  // received from each rank, the rows received (the experts read them again in the backward
+  // pass), and where combine and combine_grad add in token order.
   struct Sends final : Route {
     cuda::DeviceBuffer<int32_t> position;  // [ranks, max_tokens]: row in the send buffer, or -1
+    cuda::DeviceBuffer<__nv_bfloat16> recv_x;  // [max_rows, d]
+    cuda::DeviceBuffer<int32_t> recv_index;    // [max_rows, k]
+    cuda::DeviceBuffer<float> recv_weight;     // [max_rows, k]
     std::vector<int64_t> sent, received;   // rows per rank
     int64_t tokens = 0, received_rows = 0;
-    int64_t device_bytes() const override { return position.bytes(); }
+    float* out = nullptr;
+    GradRows grads{};
+    int64_t device_bytes() const override {
+      return position.bytes() + recv_x.bytes() + recv_index.bytes() + recv_weight.bytes();
+    }
   };
   void count(int64_t rows_per_rank_bytes, const std::vector<int64_t>& rows);
 
@@ -60,6 +70,11 @@ class GpuAllToAllDispatcher final : public GpuTokenDispatcher {
   cuda::DeviceBuffer<unsigned char> scan_scratch_;
   cuda::DeviceBuffer<__nv_bfloat16> send_x_;
   cuda::DeviceBuffer<float> send_weight_, back_rows_, back_weight_;
+  // The experts' side of the current exchange, shared by the layers (each combines before the
+  // next dispatches): their outputs or input gradients, routing-weight gradients, and the output
+  // gradients they read.
+  cuda::DeviceBuffer<float> recv_rows_, recv_dw_;
+  cuda::DeviceBuffer<__nv_bfloat16> recv_dy_;
   int64_t bytes_sent_ = 0;
 };
 

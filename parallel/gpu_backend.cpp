@@ -64,7 +64,8 @@ void select_local_gpu(const ProcessGroups& groups) {
   MOEUT_CUDA_CHECK(cudaSetDevice(device));
 }
 
-// The expert-parallel group's token exchange; none for a group of one, which holds every expert.
+// The expert-parallel group's token exchange; none for a group of one, which holds every expert
+// (GpuModel then dispatches locally).
 GpuDispatcherFactory expert_dispatcher(const ModelConfig& m, Communicator& expert_parallel) {
   if (expert_parallel.size() == 1) return nullptr;
   return [E = m.ff_n_experts, d = m.d_model, k = m.ff_k, &expert_parallel](int64_t max_tokens, cudaStream_t stream) {

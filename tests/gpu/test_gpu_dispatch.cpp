@@ -53,6 +53,22 @@ Played play_experts(int64_t rows, int64_t d, int64_t k, const std::vector<int32_
   return p;
 }
 
+// n elements at a device pointer, after the work queued on `stream`.
+template <typename T>
+std::vector<T> download(const T* p, int64_t n, cudaStream_t stream) {
+  std::vector<T> v(static_cast<size_t>(n));
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (n > 0) MOEUT_CUDA_CHECK(cudaMemcpy(v.data(), p, size_t(n) * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// Overwrites what the dispatcher gave the experts with v (their result), in stream order.
+void upload(float* p, const std::vector<float>& v, cudaStream_t stream) {
+  if (v.empty()) return;
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+  MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
 void check_dispatch(Routing routing) {
   if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
@@ -80,34 +96,41 @@ void check_dispatch(Routing routing) {
     const DeviceBuffer<bf16> gx(to_bf16(x)), gdy(to_bf16(dy));
     const DeviceBuffer<int32_t> gindex(index);
     const DeviceBuffer<float> gweight(weight);
-    const size_t M = size_t(dispatcher.max_received());
-    DeviceBuffer<bf16> recv_x(M * d), recv_dy(M * d);
-    DeviceBuffer<int32_t> recv_index(M * k);
-    DeviceBuffer<float> recv_weight(M * k);
-
     const std::unique_ptr<GpuTokenDispatcher::Route> route = dispatcher.make_route();
-    const int64_t received = dispatcher.dispatch(*route, gx.get(), gindex.get(), gweight.get(), N, recv_x.get(),
-                                                 recv_index.get(), recv_weight.get());
+    DeviceBuffer<float> out(std::vector<float>(size_t(N * d), 0.f)), dx(std::vector<float>(size_t(N * d), 0.f));
+    DeviceBuffer<float> dw(std::vector<float>(size_t(N * k), 0.f));
+    const GpuTokenDispatcher::Rows rows = dispatcher.dispatch(
+        *route, {.x = gx.get(), .index = gindex.get(), .weight = gweight.get(), .rows = N, .out = out.get()});
+    const int64_t received = rows.rows;
     if (routing == Routing::kSkewed && me != 0) {
       EXPECT_EQ(received, 0) << "rank " << me << " holds none of the chosen experts";
     }
-    MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    // This rank's "experts" over what it received, forward and backward.
-    dispatcher.dispatch_grad(*route, gdy.get(), recv_dy.get());
-    MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto rx = to_float(recv_x.download()), rdy = to_float(recv_dy.download());
-    std::vector<int32_t> rexperts = recv_index.download();  // local ids, then global ones
+    const auto rx = to_float(download(rows.x, received * d, stream));
+    std::vector<int32_t> rexperts = download(rows.index, received * k, stream);  // local ids, then global ones
+    const std::vector<float> rweight = download(rows.weight, received * k, stream);
+    EXPECT_EQ(download(rows.out, received * d, stream), std::vector<float>(size_t(received * d), 0.f))
+        << "rank " << me << ": the experts' outputs start at zero";
     for (int64_t i = 0; i < received * k; ++i) {
       if (rexperts[i] < 0) continue;
       ASSERT_LT(rexperts[i], mine.count);
       rexperts[i] += int32_t(mine.begin);
     }
-    const Played here = play_experts(received, d, k, rexperts, recv_weight.download(), rx, rdy);
-    const DeviceBuffer<float> gry(here.y), grdx(here.dx), grdw(here.dw);
-    DeviceBuffer<float> out(std::vector<float>(size_t(N * d), 0.f)), dx(std::vector<float>(size_t(N * d), 0.f));
-    DeviceBuffer<float> dw(std::vector<float>(size_t(N * k), NAN));
-    dispatcher.combine(*route, gry.get(), out.get());
-    dispatcher.combine_grad(*route, grdx.get(), grdw.get(), dx.get(), dw.get());
+    // This rank's "experts" over what it received, forward (their outputs added into rows.out),
+    // then backward.
+    const std::vector<float> no_dy(size_t(received * d), 0.f);
+    upload(rows.out, play_experts(received, d, k, rexperts, rweight, rx, no_dy).y, stream);
+    dispatcher.combine(*route);
+    const GpuTokenDispatcher::GradRows grads =
+        dispatcher.dispatch_grad(*route, {.dy = gdy.get(), .dx = dx.get(), .dw = dw.get()});
+    const auto rdy = to_float(download(grads.dy, received * d, stream));
+    EXPECT_EQ(download(grads.dx, received * d, stream), std::vector<float>(size_t(received * d), 0.f))
+        << "rank " << me << ": the experts' input gradients start at zero";
+    EXPECT_EQ(download(grads.dw, received * k, stream), std::vector<float>(size_t(received * k), 0.f))
+        << "rank " << me << ": the experts' routing-weight gradients start at zero";
+    const Played here = play_experts(received, d, k, rexperts, rweight, rx, rdy);
+    upload(grads.dx, here.dx, stream);
+    upload(grads.dw, here.dw, stream);
+    dispatcher.combine_grad(*route);
     MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
 
     const Played want = play_experts(N, d, k, index, weight, x, dy);

@@ -4,35 +4,13 @@
 
 #include "core/gpu_model.h"
 #include "core/model.h"
+#include "gpu_model_test.h"
 #include "gpu_test.h"
 
 namespace moeut {
 namespace {
 
-// all_experts: top-k over every expert, so that no routing choice can flip between the bf16
-// GPU and the fp32 CPU (a flip changes which experts a token uses, and their gradients
-// entirely; the choice itself is tested exactly at kernel level). Router widths (13 and 6, or 7
-// and 6) are not multiples of 8, so the padded router products run too.
-ModelConfig small_config(bool all_experts = false) {
-  ModelConfig m;
-  m.n_tokens = 500;
-  m.d_model = 64;
-  m.n_layers = 4;
-  m.group_size = 2;
-  m.n_heads = 2;
-  m.d_head = 32;
-  m.att_n_experts = 4;
-  m.att_k = 2;
-  m.ff_n_experts = 13;
-  m.ff_k = 4;
-  m.ff_expert_size = 32;
-  m.context = 64;
-  if (all_experts) {
-    m.ff_n_experts = m.ff_k = 7;
-    m.att_n_experts = m.att_k = 3;
-  }
-  return m;
-}
+using gpu_test::small_config;
 
 TEST_F(GpuTest, ModelForwardLossMatchesTheCpuModel) {
   const ModelConfig cfg = small_config();
@@ -115,13 +93,11 @@ TEST_F(GpuTest, ModelGradientsMatchTheCpuModel) {
 }
 
 // Passes replayed as CUDA graphs compute what eager passes compute. Two models on the same
-// parameters, one eager, run the same steps of two micro-batches each: a step's first
-// micro-batch writes the FFN experts' gradients and the second adds to them, so each is a graph
-// of its own, and every micro-batch brings new tokens, which a replay must read. The first step
-// runs eagerly, the second is captured, the last two replay. Bounds: the sums' fp32 atomics run
-// in no fixed order, so two eager runs differ too, their gradients well within 1e-2 (every expert
-// selected, so no routing choice flips). A replay that read stale tokens, or wrote an expert
-// gradient it should have added to, would be off by order one.
+// parameters, one eager, run the same steps (gpu_test::expect_same_steps): a step's two
+// micro-batches are a graph each, as their first writes the FFN experts' gradients and the second
+// adds to them, and every micro-batch brings new tokens, which a replay must read. The first step
+// runs eagerly, the second is captured, the last two replay; a replay that read stale tokens, or
+// wrote an expert gradient it should have added to, would be off by order one.
 TEST_F(GpuTest, ModelGraphReplaysMatchEagerPasses) {
   const ModelConfig cfg = small_config(true);
   const int64_t B = 4;
@@ -132,23 +108,8 @@ TEST_F(GpuTest, ModelGraphReplaysMatchEagerPasses) {
   graphed.set_graphs(true);
   eager.set_parameters(init.params);
   graphed.set_parameters(init.params);
-  std::vector<int32_t> tokens(size_t(B * (cfg.context + 1)));
   Rng rng{9};
-  for (int step = 0; step < 4; ++step) {
-    eager.zero_gradients();
-    graphed.zero_gradients();
-    for (int micro = 0; micro < 2; ++micro) {
-      for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(cfg.n_tokens));
-      const LossParts a = eager.forward_backward(tokens.data(), 0.5);
-      const LossParts b = graphed.forward_backward(tokens.data(), 0.5);
-      EXPECT_NEAR(b.total(), a.total(), 1e-4 * std::abs(a.total())) << "step " << step << ", micro-batch " << micro;
-    }
-    const LossParts a = eager.forward(tokens.data()), b = graphed.forward(tokens.data());
-    EXPECT_NEAR(b.total(), a.total(), 1e-4 * std::abs(a.total())) << "step " << step << ", loss pass";
-    const double err = gpu_test::rel_error(graphed.gradients(), eager.gradients());
-    std::printf("step %d: loss %.6f eager, %.6f graphed; gradients' rel. error %.2e\n", step, a.total(), b.total(), err);
-    EXPECT_LE(err, 1e-2) << "step " << step;
-  }
+  gpu_test::expect_same_steps(eager, "eager", graphed, "graphed", B, 4, rng);
   EXPECT_EQ(graphed.captured_passes(), 3);  // both micro-batches' training passes and the loss pass
   EXPECT_EQ(eager.captured_passes(), 0);
 }
