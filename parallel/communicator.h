@@ -5,6 +5,7 @@
 // group and the operation.
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <algorithm>
 #include <memory>
 #include <span>
@@ -55,8 +56,9 @@ inline std::vector<int64_t> scaled_counts(const std::vector<int64_t>& counts, in
   return out;
 }
 
-// The group of one process: every collective is a copy.
-class SelfCommunicator final : public Communicator {
+// The group of one process: every collective is a copy, of host memory (a device group's
+// DeviceSelfCommunicator copies device memory).
+class SelfCommunicator : public Communicator {
  public:
   explicit SelfCommunicator(std::string name) : name_(std::move(name)) {}
   int rank() const override { return 0; }
@@ -66,22 +68,27 @@ class SelfCommunicator final : public Communicator {
   void all_reduce_sum(std::span<float>) override {}
   std::vector<int64_t> all_to_all(std::span<const int64_t> send) override { return {send.begin(), send.end()}; }
   void all_to_all_v(const float* send, std::span<const int64_t> sc, float* recv, std::span<const int64_t>) override {
-    std::copy_n(send, sc[0], recv);
+    copy(recv, send, size_t(sc[0]) * sizeof(float));
   }
   void all_to_all_v(const int32_t* send, std::span<const int64_t> sc, int32_t* recv,
                     std::span<const int64_t>) override {
-    std::copy_n(send, sc[0], recv);
+    copy(recv, send, size_t(sc[0]) * sizeof(int32_t));
   }
   void all_to_all_v(const uint16_t* send, std::span<const int64_t> sc, uint16_t* recv,
                     std::span<const int64_t>) override {
-    std::copy_n(send, sc[0], recv);
+    copy(recv, send, size_t(sc[0]) * sizeof(uint16_t));
   }
   void reduce_scatter_sum(std::span<const float> data, std::span<float> mine, std::span<const int64_t>) override {
-    std::copy(data.begin(), data.end(), mine.begin());
+    copy(mine.data(), data.data(), data.size_bytes());
   }
   void all_gather_v(std::span<float>, std::span<const int64_t>) override {}
   void all_gather_v(std::span<int32_t>, std::span<const int64_t>) override {}
   void all_gather_v(std::span<uint16_t>, std::span<const int64_t>) override {}
+
+ protected:
+  virtual void copy(void* to, const void* from, size_t bytes) {
+    if (to != from && bytes > 0) std::memmove(to, from, bytes);
+  }
 
  private:
   std::string name_;

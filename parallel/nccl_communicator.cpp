@@ -162,6 +162,11 @@ void NcclCommunicator::all_gather_v(std::span<uint16_t> data, std::span<const in
   all_gather_v(data.data(), counts, ncclBfloat16, sizeof(uint16_t), "ncclBroadcast (all-gather, bf16)");
 }
 
+void DeviceSelfCommunicator::copy(void* to, const void* from, size_t bytes) {
+  if (to != from && bytes > 0)
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, caller_));
+}
+
 double NcclProcessGroups::take_seconds() {
   double seconds = 0;
   for (NcclCommunicator* c : nccl) seconds += c->take_seconds();
@@ -171,7 +176,7 @@ double NcclProcessGroups::take_seconds() {
 NcclProcessGroups nccl_process_groups(const ProcessGroups& host, cudaStream_t caller) {
   NcclProcessGroups g;
   auto device = [&](Communicator& c) -> std::unique_ptr<Communicator> {
-    if (c.size() == 1) return std::make_unique<SelfCommunicator>(c.name());
+    if (c.size() == 1) return std::make_unique<DeviceSelfCommunicator>(c.name(), caller);
     auto nccl = std::make_unique<NcclCommunicator>(c, caller);
     g.nccl.push_back(nccl.get());
     return nccl;

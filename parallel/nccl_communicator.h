@@ -57,6 +57,16 @@ class NcclCommunicator final : public Communicator {
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> timed_, spare_;  // (start, end) of each call
 };
 
+// The device group of one rank: a collective is a copy of device memory, on the caller's stream.
+class DeviceSelfCommunicator final : public SelfCommunicator {
+ public:
+  DeviceSelfCommunicator(std::string name, cudaStream_t caller) : SelfCommunicator(std::move(name)), caller_(caller) {}
+
+ private:
+  void copy(void* to, const void* from, size_t bytes) override;
+  cudaStream_t caller_;
+};
+
 // The device groups of a GPU rank: ProcessGroups whose communicators are NCCL's, and those NCCL
 // communicators by type, for the device time of their collectives.
 struct NcclProcessGroups : ProcessGroups {
@@ -66,7 +76,7 @@ struct NcclProcessGroups : ProcessGroups {
 };
 
 // Device communicators for the groups of `host` (MPI groups, which must outlive them): NCCL for
-// groups of several ranks, SelfCommunicator for a group of one; the same node place.
+// groups of several ranks, DeviceSelfCommunicator for a group of one; the same node place.
 NcclProcessGroups nccl_process_groups(const ProcessGroups& host, cudaStream_t caller);
 
 }  // namespace moeut
