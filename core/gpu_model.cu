@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "core/gpu_activations.h"
 #include "core/gpu_local_dispatcher.h"
 #include "core/hang_watchdog.h"
 #include "core/nvtx_range.h"
@@ -22,37 +23,11 @@ namespace moeut {
 
 namespace {
 
-// cuBLAS falls back to slow unaligned kernels (sm75 `align1`) when a product's dimension or rows
-// are not multiples of 8 elements, as with 565 experts: router products run on router_ld(out)
-// rows.
-int64_t router_ld(int64_t out) { return (out + 7) / 8 * 8; }
-
 using bf16 = __nv_bfloat16;
 using cuda::DeviceBuffer;
 using cuda::check_cublas;
 
 }  // namespace
-
-struct GpuModel::Layer {
-  // qk: q's and k's rows side by side, [N, 2·H·dh], as one product writes them; v: the values
-  // [N, H·dh], kept for the backward (so that it need not sum them again).
-  // xb, x_midb: the residual entering the layer and after its attention, in bf16 (the value and
-  // FFN experts' input); xhat1, xhat2: LN1's and LN2's x̂ in bf16, which their backward reads.
-  DeviceBuffer<bf16> qk, v, heads, xb, x_midb, xhat1, xhat2, hidden;
-  // The value experts' unweighted rows, one per selection [N·H·ka, dh] (see cuda::at_selections):
-  // the values are summed from them, and their routing-weight gradient dots them.
-  DeviceBuffer<bf16> v_sel;
-  // zv, zo, z: the routing logits, from which the top-k backward makes the regulariser's gradient,
-  // with their rows' log-sum-exps zv_lse, zo_lse, z_lse.
-  DeviceBuffer<float> rstd1, zv, zo, wv, wo, rstd2, z, w_ff;
-  DeviceBuffer<float> zv_lse, zo_lse, z_lse;
-  DeviceBuffer<float> lse;  // attention's row log-sum-exp, for its backward
-  DeviceBuffer<int32_t> iv, io, i_ff;
-  cuda::CvmmPlanBuffers plan_v, plan_o, plan_ff;  // kept from the forward to the backward pass
-  // The FFN dispatch: where its tokens went, and the rows it gave the experts here.
-  std::unique_ptr<GpuTokenDispatcher::Route> route;
-  GpuTokenDispatcher::Rows experts{};
-};
 
 using Kind = DeviceLedger::Kind;
 
@@ -92,74 +67,16 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
   working_ = ledger_.allocate<bf16>(Kind::kWeights, size_t(total));
   params_ = tensors_in(working_.get(), layout_, cfg_.group_size);
   param_grads_ = tensors_in(grads_.get(), layout_, cfg_.group_size);
-  inputs_ = ledger_.allocate<int32_t>(Kind::kWorkspace, size_t(N));
-  targets_ = ledger_.allocate<int32_t>(Kind::kWorkspace, size_t(N));
-  residual_ = ledger_.allocate<float>(Kind::kActivations, size_t(N * d));
-  layers_.resize(size_t(cfg_.n_layers));
   planner_ = std::make_unique<cuda::CvmmPlanner>(std::max(M * kf, N * hk), std::max(Ef, he), std::max(M, N));
-  for (Layer& L : layers_) {
-    for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) *plan = planner_->make_buffers();
-    for (auto* b : {&L.xb, &L.x_midb, &L.xhat1, &L.xhat2}) *b = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * d));
-    L.qk = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * 2 * hd));
-    L.v = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * hd));
-    L.heads = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * hd));
-    L.v_sel = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * hk * cfg_.d_head));
-    L.hidden = ledger_.allocate<bf16>(Kind::kActivations, size_t(M * kf * cfg_.ff_expert_size));
-    L.route = dispatcher_->make_route();
-    for (auto* b : {&L.rstd1, &L.rstd2}) *b = ledger_.allocate<float>(Kind::kActivations, size_t(N));
-    L.lse = ledger_.allocate<float>(Kind::kActivations, size_t(N * H));
-    for (auto* b : {&L.zv, &L.zo}) *b = ledger_.allocate<float>(Kind::kActivations, size_t(N * he));
-    for (auto* b : {&L.zv_lse, &L.zo_lse}) *b = ledger_.allocate<float>(Kind::kActivations, size_t(N * H));
-    L.z_lse = ledger_.allocate<float>(Kind::kActivations, size_t(N));
-    for (auto* b : {&L.wv, &L.wo}) *b = ledger_.allocate<float>(Kind::kActivations, size_t(N * hk));
-    for (auto* b : {&L.iv, &L.io}) *b = ledger_.allocate<int32_t>(Kind::kActivations, size_t(N * hk));
-    L.z = ledger_.allocate<float>(Kind::kActivations, size_t(N * cfg_.ff_n_experts));
-    L.w_ff = ledger_.allocate<float>(Kind::kActivations, size_t(N * kf));
-    L.i_ff = ledger_.allocate<int32_t>(Kind::kActivations, size_t(N * kf));
-  }
-  xf_ = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * d));
-  xn_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * d));
-  xhat_f_ = ledger_.allocate<bf16>(Kind::kActivations, size_t(N * d));
-  if (cfg_.repeats() > 1) {  // some uses defer their expert weight gradients (see WeightGradTurn)
-    deferred_dy_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(cfg_.group_size * M * d));
-    deferred_dhidden_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(cfg_.group_size * M * kf * cfg_.ff_expert_size));
-  }
-  rstd_f_ = ledger_.allocate<float>(Kind::kActivations, size_t(N));
-  row_loss_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(N));
-  inputs_host_ = cuda::PinnedBuffer<int32_t>(size_t(N));
-  targets_host_ = cuda::PinnedBuffer<int32_t>(size_t(N));
-  row_loss_host_ = cuda::PinnedBuffer<float>(size_t(N));
-  reg_loss_host_ = cuda::PinnedBuffer<double>(2);
-  rstd_f_host_ = cuda::PinnedBuffer<float>(size_t(N));
+  act_ = std::make_unique<GpuActivations>(cfg_, batch, *dispatcher_, *planner_, ledger_);
+  pass_clock_ = PassClock(stream_);
   profiler_ = StepProfiler(ledger_, size_t(64 * cfg_.n_layers + 64), stream_);  // a layer's passes make about 30 marks
   if (const char* off = std::getenv("MOEUT_NO_GRAPHS"); off && std::string(off) == "1") graphs_on_ = false;
-  reg_loss_ = ledger_.allocate<double>(Kind::kWorkspace, 2);
-  for (auto* b : {&dres_, &dxf_}) *b = ledger_.allocate<float>(Kind::kWorkspace, size_t(N * d));
-  dxn_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * d));
-  dw_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(N * std::max(kf, hk)));
-  // Padded rows (see router_ld): the FFN router, and the attention's two routers in one product.
-  const int64_t router_rows = router_ld(std::max(cfg_.ff_n_experts, 2 * he));
-  router_logits_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(N * router_rows));
-  dzb_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * router_rows));
-  MOEUT_CUDA_CHECK(cudaMemset(dzb_.get(), 0, dzb_.size() * sizeof(bf16)));  // its padding stays zero
-  dheads_f32_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(N * hd));
-  att_dw_staging_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * hk * 128));  // positions x 128 (see CvmmWeightGradArgs::staging)
-  dresb_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * d));
-  dhidden_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(M * kf * cfg_.ff_expert_size));
-  dv_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * hd));
-  attn_in_ld_ = (2 * hd + 2 * he + 7) / 8 * 8;  // rows 16-byte multiples, for cuBLAS's aligned kernels
-  attn_in_grad_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(N * attn_in_ld_));
-  attn_in_weights_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(cfg_.group_size * attn_in_ld_ * d));
-  MOEUT_CUDA_CHECK(cudaMemset(attn_in_grad_.get(), 0, attn_in_grad_.size() * sizeof(bf16)));
-  MOEUT_CUDA_CHECK(cudaMemset(attn_in_weights_.get(), 0, attn_in_weights_.size() * sizeof(bf16)));
-  // Router products on rows not a multiple of 8 read a padded copy of their weight (see router_ld).
-  const int64_t padded = (router_ld(cfg_.ff_n_experts) != cfg_.ff_n_experts) + (router_ld(2 * he) != 2 * he);
-  padded_routers_ = ledger_.allocate<bf16>(Kind::kWorkspace, size_t(cfg_.group_size * padded * router_rows * d));
-  MOEUT_CUDA_CHECK(cudaMemset(padded_routers_.get(), 0, padded_routers_.size() * sizeof(bf16)));
-  bf16* copy = padded_routers_.get();
+  // Router products on rows not a multiple of 8 read a padded copy of their weight.
+  bf16* copy = act_->padded_routers.get();
   auto router = [&](const bf16* param, int64_t rows) {
     RouterWeight r{.param = param, .rows = rows};
-    if (router_ld(rows) != rows) r.padded = std::exchange(copy, copy + router_rows * d);
+    if (router_rows_ld(rows) != rows) r.padded = std::exchange(copy, copy + act_->router_logits_ld * d);
     return r;
   };
   for (const LayerTensors<bf16>& P : params_.layers) {
@@ -169,20 +86,12 @@ GpuModel::GpuModel(const ModelConfig& config, int64_t batch, ExpertShard shard,
     if (P.k != P.q + hd * d || P.sel_v != P.q + 2 * hd * d || P.sel_o != P.q + (2 * hd + he) * d)
       throw std::logic_error("GpuModel: attention q, k and router weights are expected adjacent in the layout");
   }
-  if (const int64_t ld = router_ld(cfg_.ff_n_experts); ld != cfg_.ff_n_experts) {
-    router_grads_padded_ = ledger_.allocate<float>(Kind::kWorkspace, size_t(cfg_.group_size * ld * d));
-    MOEUT_CUDA_CHECK(cudaMemset(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float)));
-  }
   attention_ = std::make_unique<cuda::CausalAttention>(dense_->handle(), batch, T, H, cfg_.d_head);
   const int64_t G = cfg_.group_size, R = cfg_.repeats();
   reg_ffn_ = std::make_unique<cuda::EntropyReg>(G, batch, T, 1, cfg_.ff_n_experts, R);
   reg_att_v_ = std::make_unique<cuda::EntropyReg>(G, batch, T, H, cfg_.att_n_experts, R);
   reg_att_o_ = std::make_unique<cuda::EntropyReg>(G, batch, T, H, cfg_.att_n_experts, R);
   head_ = std::make_unique<cuda::LmHeadCE>(dense_->handle(), cfg_.n_tokens, d);
-  for (const Layer& L : layers_) {
-    ledger_.add(Kind::kActivations, L.plan_v.device_bytes() + L.plan_o.device_bytes() + L.plan_ff.device_bytes());
-    ledger_.add(Kind::kExchange, L.route->device_bytes());
-  }
   ledger_.add(Kind::kWorkspace, planner_->device_bytes() + attention_->device_bytes() + reg_ffn_->device_bytes() +
                                     reg_att_v_->device_bytes() + reg_att_o_->device_bytes() + head_->device_bytes());
   ledger_.add(Kind::kExchange, dispatcher_->device_bytes());
@@ -244,18 +153,18 @@ void GpuModel::copy_weights(bool training) {
   if (!training) return;
   const int64_t hd = cfg_.n_heads * cfg_.d_head, he = cfg_.n_heads * cfg_.att_n_experts;
   for (int64_t g = 0; g < cfg_.group_size; ++g)
-    MOEUT_CUDA_CHECK(cudaMemcpyAsync(attn_in_weights_.get() + g * attn_in_ld_ * d, params_.layers[g].q,
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(act_->attn_in_weights.get() + g * act_->attn_in_ld * d, params_.layers[g].q,
                                      size_t((2 * hd + 2 * he) * d) * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
 }
 
 void GpuModel::route(const bf16* x, const bf16* W, std::initializer_list<Routing> routers, bool beside) {
   int64_t out = 0;
   for (const Routing& r : routers) out += r.groups * r.E;
-  const int64_t N = B_ * cfg_.context, ld = router_ld(out);
-  // One router on unpadded rows writes its own z; otherwise the product goes into router_logits_
+  const int64_t N = B_ * cfg_.context, ld = router_rows_ld(out);
+  // One router on unpadded rows writes its own z; otherwise the product goes into act_->router_logits
   // and each top-k packs its router's columns into z.
   const bool direct = routers.size() == 1 && ld == out;
-  float* const logits = direct ? routers.begin()->z : router_logits_.get();
+  float* const logits = direct ? routers.begin()->z : act_->router_logits.get();
   mark(Part::kDense);
   dense_->forward(x, W, N, ld, 1.f, logits, CUDA_R_32F, ld, "router product");
   mark(Part::kRouting);
@@ -272,7 +181,7 @@ void GpuModel::route(const bf16* x, const bf16* W, std::initializer_list<Routing
 }
 
 void GpuModel::attention_forward(int64_t l) {
-  Layer& L = layers_[l];
+  GpuLayerActivations& L = act_->layers[l];
   const int64_t g = l % cfg_.group_size;
   const LayerTensors<bf16>& P = params_.layers[g];
   const int64_t T = cfg_.context, N = B_ * T, d = cfg_.d_model, H = cfg_.n_heads, dh = cfg_.d_head;
@@ -280,12 +189,12 @@ void GpuModel::attention_forward(int64_t l) {
   mark(Part::kOther);
   // xb: the raw residual in bf16, which the value experts read (the output experts then add into
   // the residual in place).
-  cuda::layernorm_forward(xn_.get(), L.rstd1.get(), residual_.get(), P.ln1_weight, P.ln1_bias, N, d, stream_,
+  cuda::layernorm_forward(act_->xn.get(), L.rstd1.get(), act_->residual.get(), P.ln1_weight, P.ln1_bias, N, d, stream_,
                           L.xb.get(), backward_ ? L.xhat1.get() : nullptr);
   // The value and output routers (adjacent in the layout) in one product. Their top-ks and plans,
   // small kernels bound by latency, run on the side stream beside q, k and RoPE; the output
   // experts' plan, needed only after the attention, is built beside the value experts too.
-  route(xn_.get(), routers_[g].attention.get(),
+  route(act_->xn.get(), routers_[g].attention.get(),
         {{.groups = H, .E = Ea, .k = ka, .z = L.zv.get(), .index = L.iv.get(), .w = L.wv.get(),
           .means = reg_means(*reg_att_v_, l, L.zv_lse.get()),
           .load_offset = load_layout_.offset(g, ExpertKind::kAttentionValue)},
@@ -299,7 +208,7 @@ void GpuModel::attention_forward(int64_t l) {
   const float s = float(std::pow(double(dh), -0.25));
   mark(Part::kDense);
   // q and k (adjacent in the layout) in one product; their 2·H heads side by side take RoPE alike.
-  dense_->forward(xn_.get(), P.q, N, 2 * hd, s, L.qk.get(), CUDA_R_16BF, 0, "q and k product");
+  dense_->forward(act_->xn.get(), P.q, N, 2 * hd, s, L.qk.get(), CUDA_R_16BF, 0, "q and k product");
   mark(Part::kAttention);
   cuda::rope_forward(L.qk.get(), B_, T, 2 * H, dh, cfg_.rope_dims(), stream_);
   mark(Part::kExperts);
@@ -315,21 +224,21 @@ void GpuModel::attention_forward(int64_t l) {
   side_->join();
   cuda::cvmm_rows(L.plan_o.view(),
                   {.X = L.heads.get(), .W = P.o, .weight = L.wo.get(), .out = nullptr,
-                   .out_f32 = residual_.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
+                   .out_f32 = act_->residual.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
                    .transpose_w = false, .accumulate = true, .out_rows = N},
                   stream_);
 }
 
 void GpuModel::ffn_forward(int64_t l) {
-  Layer& L = layers_[l];
+  GpuLayerActivations& L = act_->layers[l];
   const int64_t g = l % cfg_.group_size;
   const LayerTensors<bf16>& P = params_.layers[g];
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
-  float* y = residual_.get();  // the FFN experts add into it in place
+  float* y = act_->residual.get();  // the FFN experts add into it in place
   mark(Part::kOther);
-  cuda::layernorm_forward(xn_.get(), L.rstd2.get(), y, P.ln2_weight, P.ln2_bias, N, d, stream_,
+  cuda::layernorm_forward(act_->xn.get(), L.rstd2.get(), y, P.ln2_weight, P.ln2_bias, N, d, stream_,
                           L.x_midb.get(), backward_ ? L.xhat2.get() : nullptr);
-  route(xn_.get(), routers_[g].ffn.get(),
+  route(act_->xn.get(), routers_[g].ffn.get(),
         {{.groups = 1, .E = Ef, .k = kf, .z = L.z.get(), .index = L.i_ff.get(), .w = L.w_ff.get(),
           .means = reg_means(*reg_ffn_, l, L.z_lse.get()), .load_offset = load_layout_.offset(g, ExpertKind::kFfn)}});
   mark(Part::kExperts);
@@ -340,7 +249,7 @@ void GpuModel::ffn_forward(int64_t l) {
 }
 
 void GpuModel::experts_forward(int64_t l) {
-  Layer& L = layers_[l];
+  GpuLayerActivations& L = act_->layers[l];
   const LayerTensors<bf16>& P = params_.layers[l % cfg_.group_size];
   const int64_t d = cfg_.d_model, E = layout_.shard().count, kf = cfg_.ff_k, es = cfg_.ff_expert_size;
   const GpuTokenDispatcher::Rows& in = L.experts;
@@ -362,12 +271,13 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
   if (!(weight > 0)) throw std::invalid_argument("GpuModel: weight must be positive");
   // The regularisers average over the planned batch: losses and training need all of it.
   if (B > batch_ || (pass != Pass::kEvaluate && B != batch_))
-    throw std::invalid_argument("GpuModel: batch of " + std::to_string(B) + " sequences, planned for " + std::to_string(batch_));
+    throw std::invalid_argument("GpuModel: batch of " + std::to_string(B) + " sequences, planned for " +
+                                std::to_string(batch_));
   const int64_t T = cfg_.context, N = B * T;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
-      inputs_host_.get()[b * T + t] = tokens[b * (T + 1) + t];
-      targets_host_.get()[b * T + t] = tokens[b * (T + 1) + t + 1];
+      act_->inputs_host.get()[b * T + t] = tokens[b * (T + 1) + t];
+      act_->targets_host.get()[b * T + t] = tokens[b * (T + 1) + t + 1];
     }
   profiler_.clear();  // the profile is the last pass's
   if (graphs() && pass != Pass::kEvaluate) enqueue_graphed(B, weight, pass);
@@ -377,12 +287,13 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
     MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   LossParts out;
-  out.ce = std::accumulate(row_loss_host_.get(), row_loss_host_.get() + N, 0.0) / double(N);
-  out.reg_ffn = reg_loss_host_.get()[0] / weight;
-  out.reg_att = reg_loss_host_.get()[1] / weight;
+  out.ce = std::accumulate(act_->row_loss_host.get(), act_->row_loss_host.get() + N, 0.0) / double(N);
+  out.reg_ffn = act_->reg_loss_host.get()[0] / weight;
+  out.reg_att = act_->reg_loss_host.get()[1] / weight;
   if (pass == Pass::kTrain) {
-    out.residual_std = residual_std_of(rstd_f_host_.get(), N);
-    for (const Layer& L : layers_) rows_received_ += L.experts.rows;
+    out.residual_std = residual_std_of(act_->rstd_f_host.get(), N);
+    for (const GpuLayerActivations& L : act_->layers) rows_received_ += L.experts.rows;
+    pass_clock_.add_to(pass_seconds_);
   }
   return out;
 }
@@ -393,13 +304,13 @@ void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
       stream_, [&] { enqueue(B, weight, pass); },
       [&] {
         PassState state{.written = expert_grads_written_, .mark_parts = profiler_.parts(), .experts = {}};
-        for (const Layer& L : layers_) state.experts.push_back(L.experts);
+        for (const GpuLayerActivations& L : act_->layers) state.experts.push_back(L.experts);
         return state;
       },
       [&](const PassState& after) {
         expert_grads_written_ = after.written;
         profiler_.set_parts(after.mark_parts);
-        for (size_t l = 0; l < layers_.size(); ++l) layers_[l].experts = after.experts[l];
+        for (size_t l = 0; l < act_->layers.size(); ++l) act_->layers[l].experts = after.experts[l];
       });
 }
 
@@ -408,16 +319,17 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
   B_ = B;
   regularised_ = pass != Pass::kEvaluate;
   backward_ = backward;
+  if (backward) pass_clock_.mark(PassClock::kStart);
   mark(Part::kAttention);
   attention_->set_batch(B);
   const int64_t T = cfg_.context, N = B * T, d = cfg_.d_model;
   mark(Part::kOther);
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(inputs_.get(), inputs_host_.get(), size_t(N) * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                   stream_));
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(targets_.get(), targets_host_.get(), size_t(N) * sizeof(int32_t),
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(act_->inputs.get(), act_->inputs_host.get(), size_t(N) * sizeof(int32_t),
+                                   cudaMemcpyHostToDevice, stream_));
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(act_->targets.get(), act_->targets_host.get(), size_t(N) * sizeof(int32_t),
                                    cudaMemcpyHostToDevice, stream_));
   copy_weights(backward);
-  cuda::embedding_forward(residual_.get(), inputs_.get(), params_.embedding, N, d, stream_);
+  cuda::embedding_forward(act_->residual.get(), act_->inputs.get(), params_.embedding, N, d, stream_);
   if (regularised_) {
     mark(Part::kRouting);
     for (cuda::EntropyReg* reg : {reg_ffn_.get(), reg_att_v_.get(), reg_att_o_.get()}) reg->clear(stream_);
@@ -431,70 +343,74 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
   // the side stream: the output LayerNorm and the LM head beside them need none of their work,
   // and the backward pass none of it before the join below.
   mark(Part::kRouting);
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(reg_loss_.get(), 0, 2 * sizeof(double), stream_));
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->reg_loss.get(), 0, 2 * sizeof(double), stream_));
   side_->fork();
   for (int64_t g = 0; g < (regularised_ ? cfg_.group_size : 0); ++g) {
-    reg_ffn_->finish(g, weight * cfg_.entropy_reg, reg_loss_.get(), side_->get());
-    reg_att_v_->finish(g, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, side_->get());
-    reg_att_o_->finish(g, weight * cfg_.att_entropy_reg, reg_loss_.get() + 1, side_->get());
+    reg_ffn_->finish(g, weight * cfg_.entropy_reg, act_->reg_loss.get(), side_->get());
+    reg_att_v_->finish(g, weight * cfg_.att_entropy_reg, act_->reg_loss.get() + 1, side_->get());
+    reg_att_o_->finish(g, weight * cfg_.att_entropy_reg, act_->reg_loss.get() + 1, side_->get());
   }
   mark(Part::kOther);
-  cuda::layernorm_forward(xf_.get(), rstd_f_.get(), residual_.get(), params_.out_norm_weight, params_.out_norm_bias,
-                          N, d, stream_, nullptr, backward ? xhat_f_.get() : nullptr);
+  cuda::layernorm_forward(act_->xf.get(), act_->rstd_f.get(), act_->residual.get(), params_.out_norm_weight,
+                          params_.out_norm_bias, N, d, stream_, nullptr, backward ? act_->xhat_f.get() : nullptr);
   // The cross-entropy gradient starts the backward pass at the output LayerNorm.
   mark(Part::kDense);
-  head_->run(row_loss_.get(), backward ? dxf_.get() : nullptr, param_grads_.lm_head_weight, param_grads_.lm_head_bias,
-             xf_.get(), params_.lm_head_weight, params_.lm_head_bias, targets_.get(), N, float(weight / double(N)),
-             stream_);
+  head_->run(act_->row_loss.get(), backward ? act_->dxf.get() : nullptr, param_grads_.lm_head_weight,
+             param_grads_.lm_head_bias, act_->xf.get(), params_.lm_head_weight, params_.lm_head_bias,
+             act_->targets.get(), N, float(weight / double(N)), stream_);
   mark(Part::kRouting);
   side_->join();
   if (backward) {
+    pass_clock_.mark(PassClock::kBackward);
     mark(Part::kOther);
-    MOEUT_CUDA_CHECK(cudaMemsetAsync(dres_.get(), 0, dres_.size() * sizeof(float), stream_));
-    cuda::layernorm_backward(dres_.get(), param_grads_.out_norm_weight, param_grads_.out_norm_bias, dxf_.get(),
-                             xhat_f_.get(), params_.out_norm_weight, rstd_f_.get(), N, d, stream_, dresb_.get());
+    MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->dres.get(), 0, act_->dres.size() * sizeof(float), stream_));
+    cuda::layernorm_backward(act_->dres.get(), param_grads_.out_norm_weight, param_grads_.out_norm_bias,
+                             act_->dxf.get(), act_->xhat_f.get(), params_.out_norm_weight, act_->rstd_f.get(), N, d,
+                             stream_, act_->dresb.get());
     for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
       const NvtxRange range(layer_range_names_[l].backward.c_str());
       ffn_backward(l);
       attention_backward(l);
     }
     mark(Part::kOther);
-    cuda::embedding_backward(param_grads_.embedding, dres_.get(), inputs_.get(), N, d, stream_);
+    cuda::embedding_backward(param_grads_.embedding, act_->dres.get(), act_->inputs.get(), N, d, stream_);
     fold_router_grads();
     side_->join();  // the first layer's value-expert weight gradient
+    pass_clock_.mark(PassClock::kEnd);
   }
   mark(Part::kCount);
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(row_loss_host_.get(), row_loss_.get(), size_t(N) * sizeof(float),
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(act_->row_loss_host.get(), act_->row_loss.get(), size_t(N) * sizeof(float),
                                    cudaMemcpyDeviceToHost, stream_));
-  MOEUT_CUDA_CHECK(cudaMemcpyAsync(reg_loss_host_.get(), reg_loss_.get(), 2 * sizeof(double), cudaMemcpyDeviceToHost,
-                                   stream_));
+  MOEUT_CUDA_CHECK(cudaMemcpyAsync(act_->reg_loss_host.get(), act_->reg_loss.get(), 2 * sizeof(double),
+                                   cudaMemcpyDeviceToHost, stream_));
   if (backward)
-    MOEUT_CUDA_CHECK(cudaMemcpyAsync(rstd_f_host_.get(), rstd_f_.get(), size_t(N) * sizeof(float),
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(act_->rstd_f_host.get(), act_->rstd_f.get(), size_t(N) * sizeof(float),
                                      cudaMemcpyDeviceToHost, stream_));
 }
 
 float* GpuModel::ffn_router_grad(int64_t group) const {
-  if (router_grads_padded_.size() == 0) return param_grads_.layers[group].expert_sel;
-  return router_grads_padded_.get() + group * router_ld(cfg_.ff_n_experts) * cfg_.d_model;
+  if (act_->router_grads_padded.size() == 0) return param_grads_.layers[group].expert_sel;
+  return act_->router_grads_padded.get() + group * router_rows_ld(cfg_.ff_n_experts) * cfg_.d_model;
 }
 
 void GpuModel::fold_router_grads() {
-  if (router_grads_padded_.size() == 0) return;
+  if (act_->router_grads_padded.size() == 0) return;
   mark(Part::kDense);
   for (int64_t g = 0; g < cfg_.group_size; ++g)
     dense_->add(ffn_router_grad(g), param_grads_.layers[g].expert_sel, cfg_.ff_n_experts * cfg_.d_model,
                 "FFN router gradient");
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(router_grads_padded_.get(), 0, router_grads_padded_.size() * sizeof(float), stream_));
+  MOEUT_CUDA_CHECK(
+      cudaMemsetAsync(act_->router_grads_padded.get(), 0, act_->router_grads_padded.size() * sizeof(float), stream_));
 }
 
 void GpuModel::routing_grad(const cuda::SoftmaxGrad& reg, const int32_t* index, const float* w, int64_t groups,
                             int64_t E, int64_t k, bf16* dzb, int64_t ld) {
   mark(Part::kRouting);
-  cuda::topk_sigmoid_backward(dzb, ld, reg, dw_.get(), index, w, B_ * cfg_.context, groups, E, k, stream_);
+  cuda::topk_sigmoid_backward(dzb, ld, reg, act_->dw.get(), index, w, B_ * cfg_.context, groups, E, k, stream_);
 }
 
 void GpuModel::ffn_backward(int64_t l) {
-  Layer& L = layers_[l];
+  GpuLayerActivations& L = act_->layers[l];
   const int64_t g = l % cfg_.group_size;
   const LayerTensors<bf16>& P = params_.layers[g];
   const LayerTensors<float>& dP = param_grads_.layers[g];
@@ -503,23 +419,24 @@ void GpuModel::ffn_backward(int64_t l) {
   // finished it). The FFN input is the raw x_mid: its expert gradient adds straight onto dres, and
   // so does LN2's.
   mark(Part::kOther);
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * kf) * sizeof(float), stream_));
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->dw.get(), 0, size_t(N * kf) * sizeof(float), stream_));
   mark(Part::kExperts);
-  experts_backward(l, dispatcher_->dispatch_grad(*L.route, {.dy = dresb_.get(), .dx = dres_.get(), .dw = dw_.get()}));
+  experts_backward(
+      l, dispatcher_->dispatch_grad(*L.route, {.dy = act_->dresb.get(), .dx = act_->dres.get(), .dw = act_->dw.get()}));
   dispatcher_->combine_grad(*L.route);
-  // The router: its gradient's rows padded to router_ld (zeros past Ef), its weight likewise.
-  const int64_t ld = router_ld(Ef);
+  // The router: its gradient's rows padded to router_rows_ld (zeros past Ef), its weight likewise.
+  const int64_t ld = router_rows_ld(Ef);
   routing_grad(reg_ffn_->gradient(g, L.z.get(), L.z_lse.get()), L.i_ff.get(), L.w_ff.get(),
-               1, Ef, kf, dzb_.get(), ld);
+               1, Ef, kf, act_->dzb.get(), ld);
   mark(Part::kDense);
-  dense_->input_grad(dzb_.get(), ld, routers_[g].ffn.get(), ld, N, dxn_.get());
+  dense_->input_grad(act_->dzb.get(), ld, routers_[g].ffn.get(), ld, N, act_->dxn.get());
   mark(Part::kOther);
-  // LN2's backward also writes LN2's output again (bit for bit the forward's) into xn_, for the
+  // LN2's backward also writes LN2's output again (bit for bit the forward's) into act_->xn, for the
   // router's weight gradient.
-  cuda::layernorm_backward(dres_.get(), dP.ln2_weight, dP.ln2_bias, dxn_.get(), L.xhat2.get(), P.ln2_weight,
-                           L.rstd2.get(), N, d, stream_, dresb_.get(), P.ln2_bias, xn_.get());
+  cuda::layernorm_backward(act_->dres.get(), dP.ln2_weight, dP.ln2_bias, act_->dxn.get(), L.xhat2.get(), P.ln2_weight,
+                           L.rstd2.get(), N, d, stream_, act_->dresb.get(), P.ln2_bias, act_->xn.get());
   mark(Part::kDense);
-  dense_->weight_grad(dzb_.get(), ld, xn_.get(), ffn_router_grad(g), N, ld);
+  dense_->weight_grad(act_->dzb.get(), ld, act_->xn.get(), ffn_router_grad(g), N, ld);
 }
 
 GpuModel::WeightGradTurn GpuModel::weight_grad_turn(int64_t l) const {
@@ -529,7 +446,7 @@ GpuModel::WeightGradTurn GpuModel::weight_grad_turn(int64_t l) const {
 }
 
 void GpuModel::experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads) {
-  Layer& L = layers_[l];
+  GpuLayerActivations& L = act_->layers[l];
   const int64_t g = l % cfg_.group_size, G = cfg_.group_size;
   const LayerTensors<bf16>& P = params_.layers[g];
   const int64_t d = cfg_.d_model, E = layout_.shard().count, es = cfg_.ff_expert_size;
@@ -540,10 +457,10 @@ void GpuModel::experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& g
   const WeightGradTurn turn = weight_grad_turn(l);
   // A deferring use keeps its output gradient and hidden-unit gradient in its physical layer's
   // slot until the use below runs the weight gradients of both.
-  const int64_t dy_slot = deferred_dy_.size() / G, dh_slot = deferred_dhidden_.size() / G;
-  bf16* const deferred_dy = turn == WeightGradTurn::kAlone ? nullptr : deferred_dy_.get() + g * dy_slot;
-  bf16* const deferred_dh = turn == WeightGradTurn::kAlone ? nullptr : deferred_dhidden_.get() + g * dh_slot;
-  bf16* const dhidden = turn == WeightGradTurn::kDefer ? deferred_dh : dhidden_.get();
+  const int64_t dy_slot = act_->deferred_dy.size() / G, dh_slot = act_->deferred_dhidden.size() / G;
+  bf16* const deferred_dy = turn == WeightGradTurn::kAlone ? nullptr : act_->deferred_dy.get() + g * dy_slot;
+  bf16* const deferred_dh = turn == WeightGradTurn::kAlone ? nullptr : act_->deferred_dhidden.get() + g * dh_slot;
+  bf16* const dhidden = turn == WeightGradTurn::kDefer ? deferred_dh : act_->dhidden.get();
   // The first weight gradient of this physical layer since zero_gradients() writes dW.
   const bool overwrite = turn != WeightGradTurn::kDefer && !expert_grads_written_[size_t(g)];
   mark(Part::kExperts);
@@ -559,7 +476,7 @@ void GpuModel::experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& g
     if (turn == WeightGradTurn::kAlone) {
       cuda::cvmm_weight_grad(plan, a, side_->get());
     } else {
-      const auto [deferred_plan, deferred_args] = deferred(layers_[l + G]);
+      const auto [deferred_plan, deferred_args] = deferred(act_->layers[l + G]);
       cuda::cvmm_weight_grad(deferred_plan, deferred_args, plan, a, side_->get());
     }
   };
@@ -567,7 +484,7 @@ void GpuModel::experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& g
   weight_grad(L.plan_ff.view(true),
               {.A = L.hidden.get(), .B = dY, .weight = in.weight, .a_by_in_row = true, .dW = dvalues, .K = es, .N = d,
                .n_experts = E, .overwrite = overwrite},
-              [&](const Layer& U) {
+              [&](const GpuLayerActivations& U) {
                 return std::pair{U.plan_ff.view(true),
                                  cuda::CvmmWeightGradArgs{.A = U.hidden.get(), .B = deferred_dy,
                                                           .weight = U.experts.weight,
@@ -585,7 +502,7 @@ void GpuModel::experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& g
   weight_grad(L.plan_ff.view(),
               {.A = in.x, .B = dhidden, .weight = nullptr, .a_by_in_row = true, .dW = dkeys, .K = d, .N = es,
                .n_experts = E, .overwrite = overwrite},
-              [&](const Layer& U) {
+              [&](const GpuLayerActivations& U) {
                 return std::pair{U.plan_ff.view(),
                                  cuda::CvmmWeightGradArgs{.A = U.experts.x, .B = deferred_dh, .weight = nullptr,
                                                           .a_by_in_row = true, .dW = dkeys, .K = d, .N = es,
@@ -600,7 +517,7 @@ void GpuModel::experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& g
 }
 
 void GpuModel::attention_backward(int64_t l) {
-  Layer& L = layers_[l];
+  GpuLayerActivations& L = act_->layers[l];
   const int64_t g = l % cfg_.group_size;
   const LayerTensors<bf16>& P = params_.layers[g];
   const LayerTensors<float>& dP = param_grads_.layers[g];
@@ -608,70 +525,80 @@ void GpuModel::attention_backward(int64_t l) {
   const int64_t hd = H * dh, Ea = cfg_.att_n_experts, ka = cfg_.att_k;
   mark(Part::kOther);  // dresb: the bf16 copy of dres, from LN2's backward
   // Output experts: head gradients (ka selections per head row: accumulated in fp32).
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(dheads_f32_.get(), 0, size_t(N * hd) * sizeof(float), stream_));
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->dheads_f32.get(), 0, size_t(N * hd) * sizeof(float), stream_));
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->dw.get(), 0, size_t(N * H * ka) * sizeof(float), stream_));
   mark(Part::kExperts);
   // The expert weight gradients run on the side stream (see experts_backward) until the
   // LayerNorm backward below writes dresb again.
   side_->fork();
   cuda::cvmm_weight_grad(L.plan_o.view(),
-                         {.A = L.heads.get(), .B = dresb_.get(), .weight = L.wo.get(), .a_by_in_row = true,
-                          .dW = dP.o, .K = dh, .N = d, .n_experts = H * Ea, .staging = att_dw_staging_.get()},
+                         {.A = L.heads.get(), .B = act_->dresb.get(), .weight = L.wo.get(), .a_by_in_row = true,
+                          .dW = dP.o, .K = dh, .N = d, .n_experts = H * Ea, .staging = act_->att_dw_staging.get()},
                          side_->get());
   cuda::cvmm_rows(L.plan_o.view(true),
-                  {.X = dresb_.get(), .W = P.o, .weight = L.wo.get(), .out = nullptr,
-                   .out_f32 = dheads_f32_.get(), .dweight = dw_.get(), .dot_rows = L.heads.get(), .K = d, .N = dh,
-                   .transpose_w = true, .accumulate = true, .out_rows = N * H},
+                  {.X = act_->dresb.get(),
+                   .W = P.o,
+                   .weight = L.wo.get(),
+                   .out = nullptr,
+                   .out_f32 = act_->dheads_f32.get(),
+                   .dweight = act_->dw.get(),
+                   .dot_rows = L.heads.get(),
+                   .K = d,
+                   .N = dh,
+                   .transpose_w = true,
+                   .accumulate = true,
+                   .out_rows = N * H},
                   stream_);
-  // The gradients of LN1's four readers go side by side into attn_in_grad_ (see gpu_model.h):
+  // The gradients of LN1's four readers go side by side into act_->attn_in_grad (see gpu_model.h):
   // dq, dk, the value router's, the output router's.
-  bf16* const dq = attn_in_grad_.get();
+  bf16* const dq = act_->attn_in_grad.get();
   bf16* const dk = dq + hd;
   bf16* const dz_v = dq + 2 * hd;
   bf16* const dz_o = dz_v + H * Ea;
   routing_grad(reg_att_o_->gradient(g, L.zo.get(), L.zo_lse.get()), L.io.get(), L.wo.get(), H, Ea, ka, dz_o,
-               attn_in_ld_);
+               act_->attn_in_ld);
   mark(Part::kAttention);
   // q and k were scaled by s in the forward pass: dq and dk come scaled alike, the gradients of
   // the products before the scale.
   const float s = float(std::pow(double(dh), -0.25));
-  attention_->backward(dq, dk, dv_.get(), dheads_f32_.get(), L.heads.get(), L.lse.get(), L.qk.get(), L.qk.get() + hd,
-                       L.v.get(), stream_, attn_in_ld_, s, 2 * hd);
+  attention_->backward(dq, dk, act_->dv.get(), act_->dheads_f32.get(), L.heads.get(), L.lse.get(), L.qk.get(),
+                       L.qk.get() + hd, L.v.get(), stream_, act_->attn_in_ld, s, 2 * hd);
   // Value experts read the raw residual: their input gradient adds onto dres. Their routing-weight
   // gradient dots dv with each selection's kept row.
   mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_v.view(true),
-                  {.X = dv_.get(), .W = P.v, .weight = L.wv.get(), .out = nullptr,
-                   .out_f32 = dres_.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
+                  {.X = act_->dv.get(), .W = P.v, .weight = L.wv.get(), .out = nullptr,
+                   .out_f32 = act_->dres.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
                    .transpose_w = true, .accumulate = true, .out_rows = N},
                   stream_);
-  cuda::cvmm_selection_dots(dw_.get(), L.v_sel.get(), dv_.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
+  cuda::cvmm_selection_dots(act_->dw.get(), L.v_sel.get(), act_->dv.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
   routing_grad(reg_att_v_->gradient(g, L.zv.get(), L.zv_lse.get()), L.iv.get(), L.wv.get(), H, Ea, ka, dz_v,
-               attn_in_ld_);
+               act_->attn_in_ld);
   mark(Part::kAttention);
-  cuda::rope_backward(dq, B_, T, 2 * H, dh, cfg_.rope_dims(), stream_, attn_in_ld_);  // dq and dk's 2·H heads
+  cuda::rope_backward(dq, B_, T, 2 * H, dh, cfg_.rope_dims(), stream_, act_->attn_in_ld);  // dq and dk's 2·H heads
   mark(Part::kDense);
   // The input gradient is one product over all four.
-  dense_->input_grad(attn_in_grad_.get(), attn_in_ld_, attn_in_weights_.get() + g * attn_in_ld_ * d, attn_in_ld_, N,
-                   dxn_.get());
+  dense_->input_grad(act_->attn_in_grad.get(), act_->attn_in_ld, act_->attn_in_weights.get() + g * act_->attn_in_ld * d,
+                     act_->attn_in_ld, N, act_->dxn.get());
   side_->join();
   mark(Part::kOther);
   // dresb for the layer below (none below the first: the embedding's gradient reads dres), and
-  // LN1's output again (bit for bit the forward's) into xn_ for the weight gradients.
-  cuda::layernorm_backward(dres_.get(), dP.ln1_weight, dP.ln1_bias, dxn_.get(), L.xhat1.get(), P.ln1_weight,
-                           L.rstd1.get(), N, d, stream_, l > 0 ? dresb_.get() : nullptr, P.ln1_bias, xn_.get());
+  // LN1's output again (bit for bit the forward's) into act_->xn for the weight gradients.
+  cuda::layernorm_backward(act_->dres.get(), dP.ln1_weight, dP.ln1_bias, act_->dxn.get(), L.xhat1.get(), P.ln1_weight,
+                           L.rstd1.get(), N, d, stream_, l > 0 ? act_->dresb.get() : nullptr, P.ln1_bias,
+                           act_->xn.get());
   // The value experts' weight gradient runs on the side stream beside this layer's dense weight
-  // gradients and the next layer's FFN backward, whose join comes before dv_ is written again.
+  // gradients and the next layer's FFN backward, whose join comes before act_->dv is written again.
   mark(Part::kExperts);
   side_->fork();
   cuda::cvmm_weight_grad(L.plan_v.view(),
-                         {.A = L.xb.get(), .B = dv_.get(), .weight = L.wv.get(), .a_by_in_row = true,
-                          .dW = dP.v, .K = d, .N = dh, .n_experts = H * Ea, .staging = att_dw_staging_.get()},
+                         {.A = L.xb.get(), .B = act_->dv.get(), .weight = L.wv.get(), .a_by_in_row = true,
+                          .dW = dP.v, .K = d, .N = dh, .n_experts = H * Ea, .staging = act_->att_dw_staging.get()},
                          side_->get());
   mark(Part::kDense);
   // The weight gradients: q, k and the two routers are adjacent in the layout (checked at
   // construction), so one product.
-  dense_->weight_grad(dq, attn_in_ld_, xn_.get(), dP.q, N, 2 * hd + 2 * H * Ea);
+  dense_->weight_grad(dq, act_->attn_in_ld, act_->xn.get(), dP.q, N, 2 * hd + 2 * H * Ea);
 }
 
 }  // namespace moeut

@@ -1,8 +1,9 @@
 // MoEUT on one GPU, mixed precision: bf16 working parameters and activations, fp32 residual
 // stream, fp32 routing logits / LayerNorm statistics / losses, fp32 gradients (the fp32 master
-// weights live in the optimizer, parallel/gpu_sharded_optimizer.h). Same parameter layout as Model (core/params.h), so parameters move between the two
-// as one buffer. The forward pass keeps, per logical layer, what the backward pass needs (of the
-// residual stream, only bf16 copies and the LayerNorms' x̂: the stream itself is added into in place).
+// weights live in the optimizer, parallel/gpu_sharded_optimizer.h). Same parameter layout as
+// Model (core/params.h), so parameters move between the two as one buffer. The forward pass
+// keeps, per logical layer, what the backward pass needs (core/gpu_activations.h; of the residual
+// stream, only bf16 copies and the LayerNorms' x̂: the stream itself is added into in place).
 #pragma once
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"
@@ -31,6 +33,8 @@
 #include "kernels/lm_head_ce_cuda.h"
 
 namespace moeut {
+
+struct GpuActivations;
 
 class GpuModel {
  public:
@@ -83,6 +87,8 @@ class GpuModel {
   // the stream).
   void set_expert_counting(bool on);
   std::vector<double> take_expert_load() { return expert_load_.take(stream_); }
+  // Device seconds of the training passes' forwards and backwards since the last call.
+  PassSeconds take_pass_seconds() { return std::exchange(pass_seconds_, {}); }
 
   // Where a pass spends device time, by part (moeut-bench; see StepProfiler). Off by default.
   using Part = StepProfiler::Part;
@@ -102,7 +108,6 @@ class GpuModel {
   }
 
  private:
-  struct Layer;
   using bf16 = __nv_bfloat16;
   enum class Pass { kEvaluate, kLoss, kTrain };
   LossParts run(const int32_t* tokens, int64_t B, double weight, Pass pass);
@@ -134,12 +139,12 @@ class GpuModel {
                     int64_t k, bf16* dzb, int64_t ld);
   // Copies of working weights in the shapes their products want, one per physical layer, made at
   // the start of each pass (the weights change only between passes): routers whose row count is
-  // not a multiple of 8, padded to router_ld rows (see router_ld); and, when training, the four
-  // products that read LN1's output, stacked as attn_in_weights_.
+  // not a multiple of 8, padded (see router_rows_ld); and, when training, the four products that
+  // read LN1's output, stacked as GpuActivations::attn_in_weights.
   void copy_weights(bool training);
   // A router product's weight: the parameter, `rows` rows from its first router on (for the
-  // routers that route() multiplies together), and its copy padded to router_ld rows when rows is
-  // not a multiple of 8 (see router_ld).
+  // routers that route() multiplies together), and its padded copy when rows is not a multiple
+  // of 8 (see router_rows_ld).
   struct RouterWeight {
     const bf16* param;
     int64_t rows;
@@ -161,8 +166,8 @@ class GpuModel {
     int64_t load_offset = -1;  // where expert-load counting adds its selections (-1: not counted)
   };
   // Routing by routers whose weights lie one after another in W (a RouterWeight's): one product
-  // x·Wᵀ for all of them, in fp32 (see router_ld), then each one's top k: on the main stream, or
-  // with `beside`, forked after the product onto the side stream (the caller joins it).
+  // x·Wᵀ for all of them, in fp32 (see router_rows_ld), then each one's top k: on the main
+  // stream, or with `beside`, forked after the product onto the side stream (the caller joins it).
   void route(const bf16* x, const bf16* W, std::initializer_list<Routing> routers, bool beside = false);
   // The means that layer l's router adds into through reg (none in an evaluation pass); lse
   // receives its rows' log-sum-exps.
@@ -172,77 +177,10 @@ class GpuModel {
   // The work queued on the main stream from here on belongs to p (kCount: none).
   void mark(Part p) { profiler_.mark(p); }
   // Where a physical layer's FFN router weight gradient accumulates: its rows in
-  // router_grads_padded_ when that exists, else the parameter's gradient.
+  // GpuActivations::router_grads_padded when that exists, else the parameter's gradient.
   float* ffn_router_grad(int64_t group) const;
   void fold_router_grads();
 
-
-  ModelConfig cfg_;
-  ParamLayout layout_;
-  DeviceLedger ledger_;  // every buffer below is allocated through it
-  std::unique_ptr<GpuTokenDispatcher> dispatcher_;  // the FFN layers' (see the constructor)
-  int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
-  bool regularised_ = false;  // the pass being enqueued has the regularisers (all but evaluation)
-  bool backward_ = false;     // and a backward pass (its forward keeps the LayerNorms' x̂ for it)
-  cudaStream_t stream_ = nullptr;
-  bool own_stream_ = false;
-  std::unique_ptr<DenseProducts> dense_;
-  cuda::DeviceBuffer<float> grads_;
-  // Per physical layer: whether its FFN expert gradients hold a value since zero_gradients()
-  // (until then its first weight gradient writes them instead of adding).
-  std::vector<char> expert_grads_written_;
-  cuda::DeviceBuffer<bf16> working_;
-  // The parameters in working_ and their gradients in grads_; q, k and the attention's two routers
-  // are adjacent in the layout (checked at construction).
-  ModelTensors<bf16> params_;
-  ModelTensors<float> param_grads_;
-  cuda::DeviceBuffer<int32_t> inputs_, targets_;
-  // The residual stream, which the output experts and the FFN experts add into in place: a
-  // layer's backward reads its LayerNorms' x̂ and its bf16 copies, never the fp32 residual.
-  cuda::DeviceBuffer<float> residual_;
-  std::vector<Layer> layers_;
-  cuda::DeviceBuffer<bf16> xf_, xhat_f_;  // output LayerNorm: its output and x̂
-  // A layer's LayerNorm output (bf16), for the products that read it; in the backward pass the
-  // LayerNorm backward writes it again from the kept x̂, for the weight gradients that follow
-  // it, instead of keeping one per layer.
-  cuda::DeviceBuffer<bf16> xn_;
-  cuda::DeviceBuffer<float> rstd_f_, row_loss_;
-  // Per physical layer, a deferring use's output gradient [rows, d] and hidden-unit gradient
-  // (see WeightGradTurn).
-  cuda::DeviceBuffer<bf16> deferred_dy_, deferred_dhidden_;
-  // Backward scratch, shared by the layers.
-  cuda::DeviceBuffer<float> dres_, dxf_, dw_, dheads_f32_;
-  // dxn_: a LayerNorm output's gradient, as the products that read the output give it (bf16, as
-  // their other activations: the LayerNorm backward reads it once).
-  cuda::DeviceBuffer<bf16> dresb_, dhidden_, dzb_, dv_, dxn_;
-  // The attention experts' weight gradients lay out their per-selection operand here, weighted
-  // and by position (see cuda::CvmmWeightGradArgs::staging); both run on the side stream, one
-  // after the other.
-  cuda::DeviceBuffer<bf16> att_dw_staging_;
-  cuda::DeviceBuffer<bf16> padded_routers_;  // see copy_weights; zero past each router's rows
-  // A router product's output, rows router_ld apart, before each top-k packs its router's
-  // columns into that router's z (see route).
-  cuda::DeviceBuffer<float> router_logits_;
-  // The FFN routers' weight gradients on router_ld rows, when Ef is not a multiple of 8 (one per
-  // physical layer): cuBLAS's product on 565 rows picks a slower sm80 kernel with a split-K pass.
-  // Added into the parameters' gradients at the end of each backward pass (fold_router_grads).
-  cuda::DeviceBuffer<float> router_grads_padded_;
-  std::vector<LayerRouters> routers_;  // per physical layer, their copies in padded_routers_
-  // The gradients of the four products that read LN1's output, side by side in one matrix
-  // [N, attn_in_ld_] (dq, dk, the value router's, the output router's; zero past them), and those
-  // products' weights stacked to match [attn_in_ld_, d] per physical layer: their input gradient
-  // is one product.
-  cuda::DeviceBuffer<bf16> attn_in_grad_, attn_in_weights_;
-  int64_t attn_in_ld_ = 0;
-  cuda::DeviceBuffer<double> reg_loss_;
-  std::unique_ptr<cuda::CausalAttention> attention_;
-  // The regularisers' means per physical layer: the FFN router's and the attention's two.
-  std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_v_, reg_att_o_;
-  std::unique_ptr<cuda::LmHeadCE> head_;
-  std::unique_ptr<cuda::CvmmPlanner> planner_;
-  // Work beside the main stream: the attention's top-ks and plans in the forward pass (beside q,
-  // k and RoPE), the expert weight gradients in the backward (beside the input gradients).
-  std::unique_ptr<SideStream> side_;
   // Captured passes (see set_graphs), keyed by what the captured work depends on: the pass, its
   // batch, its weight, whether it is profiled, and which physical layers' expert gradients are
   // written (which decides whether their first weight gradient writes or adds). A replay leaves
@@ -261,13 +199,43 @@ class GpuModel {
     std::vector<Part> mark_parts;
     std::vector<GpuTokenDispatcher::Rows> experts;  // per logical layer
   };
-  PassGraphCache<PassKey, PassState> graphs_;
+
+  ModelConfig cfg_;
+  ParamLayout layout_;
+  DeviceLedger ledger_;  // every buffer below is allocated through it
+  std::unique_ptr<GpuTokenDispatcher> dispatcher_;  // the FFN layers' (see the constructor)
+  int64_t batch_, B_;  // buffers are planned for batch_ sequences; B_ <= batch_ run now
+  // The pass being enqueued has the regularisers (all but evaluation), and a backward pass (its
+  // forward keeps the LayerNorms' x̂ for it).
+  bool regularised_ = false, backward_ = false;
+  cudaStream_t stream_ = nullptr;
+  bool own_stream_ = false;
+  std::unique_ptr<DenseProducts> dense_;
+  cuda::DeviceBuffer<float> grads_;
+  // Per physical layer: whether its FFN expert gradients hold a value since zero_gradients()
+  // (until then its first weight gradient writes them instead of adding).
+  std::vector<char> expert_grads_written_;
+  cuda::DeviceBuffer<bf16> working_;
+  // The parameters in working_ and their gradients in grads_; q, k and the attention's two routers
+  // are adjacent in the layout (checked at construction).
+  ModelTensors<bf16> params_;
+  ModelTensors<float> param_grads_;
+  // Activations and workspace, planned for batch_ sequences (core/gpu_activations.h).
+  std::unique_ptr<GpuActivations> act_;
+  std::vector<LayerRouters> routers_;  // per physical layer, their copies in act_->padded_routers
+  std::unique_ptr<cuda::CausalAttention> attention_;
+  // The regularisers' means per physical layer: the FFN router's and the attention's two.
+  std::unique_ptr<cuda::EntropyReg> reg_ffn_, reg_att_v_, reg_att_o_;
+  std::unique_ptr<cuda::LmHeadCE> head_;
+  std::unique_ptr<cuda::CvmmPlanner> planner_;
+  // Work beside the main stream: the attention's top-ks and plans in the forward pass (beside q,
+  // k and RoPE), the expert weight gradients in the backward (beside the input gradients).
+  std::unique_ptr<SideStream> side_;
+  PassGraphCache<PassKey, PassState> graphs_;  // captured passes (see PassKey)
   bool graphs_on_ = true;
-  // Tokens in and losses out, staged in pinned memory so their copies are part of the graph.
-  cuda::PinnedBuffer<int32_t> inputs_host_, targets_host_;
-  cuda::PinnedBuffer<float> row_loss_host_, rstd_f_host_;  // rstd_f_host_: the output LayerNorm's, for residual_std
-  cuda::PinnedBuffer<double> reg_loss_host_;
   StepProfiler profiler_;  // on the main stream
+  PassClock pass_clock_;   // on the main stream, in training passes
+  PassSeconds pass_seconds_;
   ExpertLoadLayout load_layout_;
   cuda::ExpertLoadCounter expert_load_;
   bool counting_experts_ = false;
@@ -277,6 +245,5 @@ class GpuModel {
   };
   std::vector<LayerRangeNames> layer_range_names_;  // NVTX ranges, per logical layer
 };
-
 
 }  // namespace moeut

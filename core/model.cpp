@@ -1,6 +1,7 @@
 #include "core/model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <span>
 
@@ -369,6 +370,8 @@ void Model<T>::attention_backward(int64_t l, T* dx) {
 
 template <typename T>
 LossParts Model<T>::forward_backward(const int32_t* tokens, int64_t B, double weight) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
   forward(tokens, B);
   const int64_t N = B * cfg_.context, d = cfg_.d_model;
   if (counting_experts_) count_expert_load(N);
@@ -381,6 +384,7 @@ LossParts Model<T>::forward_backward(const int32_t* tokens, int64_t B, double we
                                    N, d, cfg_.n_tokens, T(weight / double(N)), s_.logits);
   loss.ce = ce_sum / double(N);
   loss.residual_std = residual_std_of(rstd_f_.data(), N);
+  const auto backward_start = Clock::now();
   T* dx = s_.dres.data();  // gradient w.r.t. the residual stream, carried down the layers
   zero(s_.dres);
   layernorm_backward(dx, grad("out_norm.weight"), grad("out_norm.bias"), s_.dxf.data(), xs_.back().data(),
@@ -390,6 +394,8 @@ LossParts Model<T>::forward_backward(const int32_t* tokens, int64_t B, double we
     attention_backward(l, dx);
   }
   embedding_backward(grad("embedding.weight"), dx, inputs_.data(), N, d);
+  pass_seconds_.forward += std::chrono::duration<double>(backward_start - start).count();
+  pass_seconds_.backward += std::chrono::duration<double>(Clock::now() - backward_start).count();
   return loss;
 }
 

@@ -3,6 +3,7 @@
 // summed over all its uses. T is float for training, double for gradient checks.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"
@@ -21,6 +22,12 @@ struct LossParts {
   double ce = 0, reg_ffn = 0, reg_att = 0;
   double residual_std = 0;
   double total() const { return ce + reg_ffn + reg_att; }
+};
+
+// Seconds a model spent in training passes since it was last asked: the forward (embedding to
+// the loss and its gradient at the LM head) and the backward (output LayerNorm to embedding).
+struct PassSeconds {
+  double forward = 0, backward = 0;
 };
 
 // residual_std of `rows` rows from the output LayerNorm's 1 / sqrt(var + eps) of each.
@@ -70,6 +77,8 @@ class Model {
   // and a fresh count from there.
   void set_expert_counting(bool on) { counting_experts_ = on; }
   std::vector<double> take_expert_load();
+  // Seconds of forward_backward's forwards and backwards since the last call.
+  PassSeconds take_pass_seconds() { return std::exchange(pass_seconds_, {}); }
 
   std::vector<T> params, grads;
 
@@ -116,6 +125,7 @@ class Model {
   ExpertLoadLayout load_layout_;
   std::vector<double> expert_load_;  // see take_expert_load
   bool counting_experts_ = false;
+  PassSeconds pass_seconds_;
 };
 
 }  // namespace moeut

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/device_ledger.h"
+#include "core/model.h"
 #include "kernels/device_buffer.h"
 
 namespace moeut {
@@ -39,6 +40,23 @@ class StepProfiler {
   bool on_ = false;
   cuda::DeviceBuffer<uint64_t> clocks_;  // the clock at each mark of the pass (ns)
   std::vector<Part> parts_;
+};
+
+// A training pass's forward and backward device time, always on: the stream's clock read into
+// pinned host memory at the pass's start, where its backward starts and at its end (three
+// one-thread kernels a pass, replayed within a CUDA graph as the rest of it is).
+class PassClock {
+ public:
+  enum Mark { kStart, kBackward, kEnd, kMarks };
+  PassClock() = default;
+  explicit PassClock(cudaStream_t stream) : stream_(stream), ns_(kMarks) {}
+  void mark(Mark m);
+  // Once the pass's work is done: its marks' seconds added into `into`.
+  void add_to(PassSeconds& into) const;
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cuda::PinnedBuffer<uint64_t> ns_;
 };
 
 }  // namespace moeut

@@ -35,6 +35,7 @@ class CpuBackend final : public TrainingBackend {
   int64_t dispatch_bytes() const override { return model_.dispatcher()->bytes_sent(); }
   int64_t expert_rows_received() const override { return model_.dispatcher()->rows_received(); }
   std::vector<double> take_expert_load() override { return model_.take_expert_load(); }
+  PassSeconds take_pass_seconds() override { return model_.take_pass_seconds(); }
   const ZeroPartition& partition() const override { return optimizer_.partition(); }
   OptimizerShard optimizer_shard() override { return optimizer_.shard(model_.params); }
   void load_optimizer_shard(const OptimizerShard& s) override { optimizer_.load(s, model_.params); }

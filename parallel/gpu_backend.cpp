@@ -137,6 +137,7 @@ class GpuBackend final : public TrainingBackend {
   int64_t dispatch_bytes() const override { return model_.dispatch_bytes(); }
   int64_t expert_rows_received() const override { return model_.expert_rows_received(); }
   std::vector<double> take_expert_load() override { return model_.take_expert_load(); }
+  PassSeconds take_pass_seconds() override { return model_.take_pass_seconds(); }
   double take_communication_seconds() override { return groups_.take_seconds(); }
 
  private:

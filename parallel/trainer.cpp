@@ -221,14 +221,20 @@ double Trainer::run() {
     stopping_ = parts[4] > 0 || parts[5] > 0;
     const LossParts loss{.ce = parts[0], .reg_ffn = parts[1], .reg_att = parts[2], .residual_std = parts[3]};
     const double lr = learning_rate(step, t);
+    const auto update_start = std::chrono::steady_clock::now();
     const double norm = [&] {
       const NvtxRange range("optimizer");
       return update(step + 1, lr, loss);
     }();
     const double comm = backend_->take_communication_seconds();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto end = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(end - start).count();
     losses_.push_back(loss.total());
-    log_step(step + 1, loss, lr, norm, seconds, gather_traffic(comm, backend_->dispatch_bytes() - dispatched));
+    log_step(step + 1, loss, lr, norm,
+             {.seconds = seconds,
+              .passes = backend_->take_pass_seconds(),
+              .update = std::chrono::duration<double>(end - update_start).count()},
+             gather_traffic(comm, backend_->dispatch_bytes() - dispatched));
     if (t.grad_jump_factor > 0) watch_gradient_norm(step + 1, norm);
     watch_residual(step + 1, loss.residual_std);
     if (t.log_experts_every > 0 && (step + 1) % t.log_experts_every == 0) log_expert_load(step + 1);
@@ -361,9 +367,10 @@ Trainer::Traffic Trainer::gather_traffic(double comm_seconds, int64_t dispatch_b
   return {.comm_seconds = comm_seconds, .dispatch_bytes = dispatch_bytes, .comm = s[0], .dispatch = s[1]};
 }
 
-void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds,
+void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, const StepTime& time,
                        const Traffic& traffic) {
   if (!leader()) return;
+  const double seconds = time.seconds;
   // The time left: the steps to go at the mean of the last (up to 20) steps' seconds.
   if (recent_seconds_.size() == 20) recent_seconds_.erase(recent_seconds_.begin());
   recent_seconds_.push_back(seconds);
@@ -380,22 +387,25 @@ void Trainer::log_step(int64_t step, const LossParts& loss, double lr, double gr
               "%.0f tok/s",
               (long long)step, (long long)cfg_.train.steps, loss.total(), loss.ce, loss.reg_ffn + loss.reg_att, lr,
               grad_norm, loss.residual_std, tokens_per_s);
+  std::printf(" | fwd/bwd/update %.0f/%.0f/%.0f ms", time.passes.forward * 1e3, time.passes.backward * 1e3,
+              time.update * 1e3);
   if (peak > 0) std::printf(" | MFU %.1f%% | %.1f GiB", 100 * mfu, gib);
   if (traffic.comm_seconds > 0)
     std::printf(" | comm %.0f ms (%.0f%%) | dispatch %.1f MB", traffic.comm_seconds * 1e3,
                 100 * traffic.comm_seconds / seconds, double(traffic.dispatch_bytes) / 1e6);
   std::printf(" | eta %s\n", eta_text(eta).c_str());
   std::fflush(stdout);
-  char line[1024];
+  char line[1536];
   std::snprintf(line, sizeof line,
                 "{\"step\": %lld, \"loss\": %.8g, \"ce\": %.8g, \"reg_ffn\": %.8g, \"reg_att\": %.8g, "
-                "\"lr\": %.8g, \"grad_norm\": %s, \"residual_std\": %s, \"step_s\": %.6g, \"tokens_per_s\": %.1f, "
+                "\"lr\": %.8g, \"grad_norm\": %s, \"residual_std\": %s, \"step_s\": %.6g, \"forward_s\": %.6g, "
+                "\"backward_s\": %.6g, \"update_s\": %.6g, \"tokens_per_s\": %.1f, "
                 "\"eta_s\": %.1f, \"time\": %.3f, \"comm_s\": %.6g, \"comm_s_max\": %.6g, \"comm_s_mean\": %.6g, "
                 "\"dispatch_bytes\": %lld, \"dispatch_bytes_max\": %.0f, \"dispatch_bytes_mean\": %.0f, \"mfu\": %s, "
                 "\"gpu_memory_gib\": %s, \"gpu_memory_peak_gib\": %s}\n",
                 (long long)step, loss.total(), loss.ce, loss.reg_ffn, loss.reg_att, lr,
                 json_number(grad_norm, "%.8g").c_str(), json_number(loss.residual_std, "%.6g").c_str(), seconds,
-                tokens_per_s, eta, now, traffic.comm_seconds, traffic.comm.max, traffic.comm.mean,
+                time.passes.forward, time.passes.backward, time.update, tokens_per_s, eta, now, traffic.comm_seconds, traffic.comm.max, traffic.comm.mean,
                 (long long)traffic.dispatch_bytes, traffic.dispatch.max, traffic.dispatch.mean,
                 json_number(mfu, "%.5f").c_str(), json_number(peak > 0 ? gib : NAN, "%.3f").c_str(),
                 json_number(peak > 0 ? memory_peak_gib_ : NAN, "%.3f").c_str());

@@ -96,7 +96,15 @@ class Trainer {
   // norm; throws AgreedError (kExitNonFinite, parallel/run_errors.h) on every rank when the loss,
   // the gradient or the updated parameters are not finite, naming the tensors.
   double update(int64_t step, double lr, const LossParts& loss);
-  void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, double seconds, const Traffic& traffic);
+  // Where this rank's step went: all of it, its passes' forwards and backwards (PassSeconds), and
+  // the update (gradient synchronisation and the optimizer).
+  struct StepTime {
+    double seconds = 0;
+    PassSeconds passes;
+    double update = 0;
+  };
+  void log_step(int64_t step, const LossParts& loss, double lr, double grad_norm, const StepTime& time,
+                const Traffic& traffic);
   void log_validation(int64_t step, double loss, bool final);
   // Rank 0 appends a record to the metrics file; the first failure is kept in metrics_error_
   // (with the system's reason), and every rank throws WriteError at the next agreement: the

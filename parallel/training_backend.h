@@ -42,6 +42,9 @@ class TrainingBackend {
   // The routers' choices over this rank's tokens since the last call (core/expert_load.h's
   // layout: counts, then routing-weight sums); counting starts afresh.
   virtual std::vector<double> take_expert_load() = 0;
+  // The forwards' and backwards' seconds of the training passes since the last call (device time
+  // on a GPU).
+  virtual PassSeconds take_pass_seconds() = 0;
   virtual double take_communication_seconds() { return 0; }  // device time in collectives since the last call
   // Checkpoints: how the optimizer splits layout()'s buffer over the ranks, this rank's part
   // (fp32 master and moments, in partition order), and installing such a part, after which

@@ -54,6 +54,12 @@ assert set(reported) == expected and expected, f"reported {sorted(reported)}, ru
 for s, r in reported.items():
     total = math.sqrt(sum(v * v for v in r["tensor_grad_norms"].values()))
     assert abs(total - norms[s]) <= 1e-5 * norms[s], f"step {s}: tensors {total}, step {norms[s]}"
+# Each step's parts (forwards, backwards, update) are measured and fit inside the step.
+for r in rows:
+    if "loss" in r:
+        parts = r["forward_s"] + r["backward_s"] + r["update_s"]
+        assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["update_s"] > 0, r
+        assert parts <= r["step_s"] * 1.0001, f"step {r['step']}: parts {parts} s, step {r['step_s']} s"
 printed = sum(line.startswith("gradient norm jump at step") for line in open(sys.argv[2]))
 assert printed == len(expected), f"{printed} lines printed for {len(expected)} jumps"
 print(f"gradient jumps reported at steps {sorted(reported)}")
@@ -62,7 +68,7 @@ PY
 if "$python" -c "import matplotlib" 2> /dev/null; then
   "$python" "$root/launch/moeut-plot" "$work/metrics.jsonl" "$work/jumps.jsonl" --labels short jumps \
     --out "$work/plots" > "$work/plot.txt" || { echo "FAIL: moeut-plot"; cat "$work/plot.txt"; exit 1; }
-  for png in loss optimizer throughput residual; do
+  for png in loss optimizer throughput step_time residual; do
     is_png "$work/plots/$png.png" || { echo "FAIL: $png.png is not a PNG"; exit 1; }
   done
 else

@@ -223,9 +223,10 @@ TEST(RunErrors, AnErrorOnOneRankEndsEveryRankReportedOnce) {
   } catch (const AgreedError& e) {
     EXPECT_EQ(e.status, kExitDataError);
     EXPECT_EQ(e.report, world_rank() == last);
-    if (e.report)
+    if (e.report) {
       EXPECT_EQ(std::string(e.what()),
                 (world_size() > 1 ? "rank " + std::to_string(last) + ": " : std::string()) + "x.bin: token out of vocabulary");
+    }
   }
   agree_on(*groups.world, [] {});  // nothing failed: returns on every rank
 }
