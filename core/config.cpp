@@ -49,8 +49,8 @@ po::options_description model_options(ModelConfig& m) {
 po::options_description train_options(TrainConfig& t) {
   po::options_description o("Training");
   o.add_options()
-      ("train_data", po::value(&t.train_data), "training token file (docs/DATA.md)")
-      ("val_data", po::value(&t.val_data), "validation token file")
+      ("train_data", po::value(&t.train_data), "training token file, or a comma-separated list and/or glob of them read as one stream (docs/DATA.md)")
+      ("val_data", po::value(&t.val_data), "validation token file(s), as train_data")
       ("out_weights", po::value(&t.out_weights)->default_value(t.out_weights), "HDF5 weights written at the end")
       ("metrics", po::value(&t.metrics)->default_value(t.metrics), "JSON-lines metrics file")
       ("steps", po::value(&t.steps)->default_value(t.steps), "optimizer steps")

@@ -200,10 +200,21 @@ void write_all(std::FILE* f, const std::string& path, const unsigned char* buf, 
   if (n > 0 && std::fwrite(buf, 1, n, f) != n) fail(path, "write failed: " + errno_text());
 }
 
+void write_header(std::FILE* f, const std::string& path, uint32_t vocab_size, uint64_t count) {
+  unsigned char header[kHeaderBytes] = {};
+  std::memcpy(header, kMagic, sizeof kMagic);
+  store_le32(header + 8, kVersion);
+  store_le32(header + 12, vocab_size);
+  store_le32(header + 16, token_bytes_for(vocab_size));
+  store_le32(header + 20, 0);  // reserved
+  store_le64(header + 24, count);
+  write_all(f, path, header, sizeof header);
+}
+
 void write_tokens(std::FILE* f, const std::string& path, uint32_t token_bytes, std::span<const uint32_t> tokens) {
-  // Encodes in chunks: a per-token fwrite would be slow, a whole-file buffer would double memory.
+  // Encodes in chunks: a per-token fwrite would be slow, a whole-piece buffer would double memory.
   constexpr size_t kChunk = 1 << 16;
-  std::vector<unsigned char> buf(kChunk * token_bytes);
+  std::vector<unsigned char> buf(std::min(kChunk, tokens.size()) * token_bytes);
   for (size_t start = 0; start < tokens.size(); start += kChunk) {
     const size_t n = std::min(kChunk, tokens.size() - start);
     unsigned char* p = buf.data();
@@ -222,48 +233,48 @@ void write_tokens(std::FILE* f, const std::string& path, uint32_t token_bytes, s
 
 }  // namespace
 
-void write_token_file(const std::string& path, uint32_t vocab_size, std::span<const uint32_t> tokens) {
+TokenFileWriter::TokenFileWriter(const std::string& path, uint32_t vocab_size)
+    : path_(path), tmp_(path + ".tmp"), vocab_size_(vocab_size), token_bytes_(token_bytes_for(vocab_size)) {
   if (vocab_size == 0) fail(path, "invalid vocab_size 0");
-  if (tokens.empty()) fail(path, "empty: refusing to write a file with 0 tokens");
-  // Validate before creating anything, so a bad call leaves no partial file behind.
+  file_ = std::fopen(tmp_.c_str(), "wb");
+  if (file_ == nullptr) fail(tmp_, "cannot create: " + errno_text());
+  write_header(file_, tmp_, vocab_size_, 0);  // the count is written by finish()
+}
+
+TokenFileWriter::~TokenFileWriter() {
+  if (file_ == nullptr) return;
+  std::fclose(file_);
+  std::remove(tmp_.c_str());
+}
+
+void TokenFileWriter::append(std::span<const uint32_t> tokens) {
   for (size_t i = 0; i < tokens.size(); ++i)
-    if (tokens[i] >= vocab_size)
-      fail(path, "token out of vocabulary: token " + std::to_string(i) + " is " + std::to_string(tokens[i]) +
-                     " but vocab_size is " + std::to_string(vocab_size));
+    if (tokens[i] >= vocab_size_)
+      fail(path_, "token out of vocabulary: token " + std::to_string(count_ + i) + " is " + std::to_string(tokens[i]) +
+                      " but vocab_size is " + std::to_string(vocab_size_));
+  write_tokens(file_, tmp_, token_bytes_, tokens);
+  count_ += tokens.size();
+}
 
-  const uint32_t token_bytes = token_bytes_for(vocab_size);
-  unsigned char header[kHeaderBytes] = {};
-  std::memcpy(header, kMagic, sizeof kMagic);
-  store_le32(header + 8, kVersion);
-  store_le32(header + 12, vocab_size);
-  store_le32(header + 16, token_bytes);
-  store_le32(header + 20, 0);  // reserved
-  store_le64(header + 24, tokens.size());
+void TokenFileWriter::finish() {
+  if (count_ == 0) fail(path_, "empty: refusing to write a file with 0 tokens");
+  if (std::fseek(file_, 0, SEEK_SET) != 0) fail(tmp_, "cannot seek: " + errno_text());
+  write_header(file_, tmp_, vocab_size_, count_);
+  if (std::fflush(file_) != 0) fail(tmp_, "write failed: " + errno_text());
+  // fsync before rename: otherwise a crash could leave the new name pointing at missing data.
+  if (::fsync(::fileno(file_)) != 0) fail(tmp_, "fsync failed: " + errno_text());
+  const int closed = std::fclose(std::exchange(file_, nullptr));
+  if (closed != 0 || std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    const std::string err = errno_text();
+    std::remove(tmp_.c_str());
+    fail(path_, (closed != 0 ? "close of " + tmp_ + " failed: " : "cannot rename " + tmp_ + " to it: ") + err);
+  }
+}
 
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) fail(tmp, "cannot create: " + errno_text());
-  try {
-    write_all(f, tmp, header, sizeof header);
-    write_tokens(f, tmp, token_bytes, tokens);
-    if (std::fflush(f) != 0) fail(tmp, "write failed: " + errno_text());
-    // fsync before rename: otherwise a crash could leave the new name pointing at missing data.
-    if (::fsync(::fileno(f)) != 0) fail(tmp, "fsync failed: " + errno_text());
-  } catch (...) {
-    std::fclose(f);
-    std::remove(tmp.c_str());
-    throw;
-  }
-  if (std::fclose(f) != 0) {
-    const std::string err = errno_text();
-    std::remove(tmp.c_str());
-    fail(tmp, "close failed: " + err);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string err = errno_text();
-    std::remove(tmp.c_str());
-    fail(path, "cannot rename " + tmp + " to it: " + err);
-  }
+void write_token_file(const std::string& path, uint32_t vocab_size, std::span<const uint32_t> tokens) {
+  TokenFileWriter out(path, vocab_size);
+  out.append(tokens);
+  out.finish();
 }
 
 }  // namespace moeut

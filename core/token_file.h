@@ -2,6 +2,7 @@
 // ids, read by memory-mapping so that a multi-gigabyte corpus costs no load time.
 #pragma once
 #include <cstdint>
+#include <cstdio>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -44,8 +45,31 @@ class TokenFile {
   [[noreturn]] void out_of_vocabulary(uint64_t i, uint32_t token) const;
 };
 
-// Writes a token file atomically (temporary name, then rename). uint16 tokens when vocab_size
+// Writes a token file piece by piece, so that a corpus never has to be held whole: the tokens go
+// to path.tmp, finish() writes their count into the header, fsyncs and renames it to path. A
+// writer destroyed before finish() (an error) removes path.tmp. uint16 tokens when vocab_size
 // fits, else uint32. Throws DataError when a token is not below vocab_size or on I/O failure.
+class TokenFileWriter {
+ public:
+  TokenFileWriter(const std::string& path, uint32_t vocab_size);
+  ~TokenFileWriter();
+  TokenFileWriter(const TokenFileWriter&) = delete;
+  TokenFileWriter& operator=(const TokenFileWriter&) = delete;
+
+  // Checks every token of the piece before writing any of it.
+  void append(std::span<const uint32_t> tokens);
+  uint64_t count() const { return count_; }  // tokens appended so far
+  void finish();                              // throws DataError ("empty") when none were appended
+
+ private:
+  std::string path_, tmp_;
+  uint32_t vocab_size_;
+  uint32_t token_bytes_;
+  uint64_t count_ = 0;
+  std::FILE* file_ = nullptr;
+};
+
+// Writes a whole token file at once through TokenFileWriter.
 void write_token_file(const std::string& path, uint32_t vocab_size, std::span<const uint32_t> tokens);
 
 }  // namespace moeut

@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
     w.config.context = context;
     Model<float> model(w.config);
     model.params = std::move(w.params);
-    const TokenFile data = open_data(data_path, "data", w.config);
+    const TokenFiles data = open_data(data_path, "data", w.config);
     SelfCommunicator world("world");
     const double loss = evaluate([&](const int32_t* tokens, int64_t B) { return model.forward_ce_sum(tokens, B); },
                                  context, data, batch, max_windows, world);

@@ -26,7 +26,7 @@
 
 namespace moeut {
 
-void sample_batch(const TokenFile& data, uint64_t seed, int64_t step, int64_t first, int64_t count,
+void sample_batch(const TokenFiles& data, uint64_t seed, int64_t step, int64_t first, int64_t count,
                   int64_t context, int32_t* out) {
   const uint64_t starts = data.size() - uint64_t(context);  // valid start positions
   for (int64_t i = 0; i < count; ++i) {
@@ -35,7 +35,7 @@ void sample_batch(const TokenFile& data, uint64_t seed, int64_t step, int64_t fi
   }
 }
 
-double evaluate(const CrossEntropySum& ce_sum, int64_t context, const TokenFile& data, int64_t micro_batch,
+double evaluate(const CrossEntropySum& ce_sum, int64_t context, const TokenFiles& data, int64_t micro_batch,
                 int64_t max_windows, Communicator& world) {
   const int64_t T = context, ranks = world.size();
   int64_t windows = int64_t((data.size() - 1) / uint64_t(T));
@@ -56,13 +56,13 @@ double evaluate(const CrossEntropySum& ce_sum, int64_t context, const TokenFile&
   return sum / double(windows * T);
 }
 
-TokenFile open_data(const std::string& path, const char* option, const ModelConfig& m) {
-  TokenFile f(path);
+TokenFiles open_data(const std::string& spec, const char* option, const ModelConfig& m) {
+  TokenFiles f(spec);
   if (int64_t(f.vocab_size()) != m.n_tokens)
     throw ConfigError("invalid configuration: n_tokens: is " + std::to_string(m.n_tokens) + " but " + option +
-                      " '" + path + "' has a vocabulary of " + std::to_string(f.vocab_size()));
+                      " '" + spec + "' has a vocabulary of " + std::to_string(f.vocab_size()));
   if (f.size() < uint64_t(m.context + 2))
-    throw DataError(path + ": " + std::to_string(f.size()) + " tokens, fewer than context + 2 = " +
+    throw DataError(spec + ": " + std::to_string(f.size()) + " tokens, fewer than context + 2 = " +
                     std::to_string(m.context + 2));
   return f;
 }

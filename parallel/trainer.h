@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "core/config.h"
-#include "core/token_file.h"
+#include "core/token_files.h"
 #include "parallel/training_backend.h"
 #include "parallel/communicator.h"
 
@@ -20,7 +20,7 @@ namespace moeut {
 // Sequences first..first+count-1 of global batch `step`, each context + 1 tokens, into out.
 // Sequence i starts at a position drawn from its own stream keyed by (seed, step, i), so any
 // split of a batch across micro-batches or processes reads the same tokens.
-void sample_batch(const TokenFile& data, uint64_t seed, int64_t step, int64_t first, int64_t count,
+void sample_batch(const TokenFiles& data, uint64_t seed, int64_t step, int64_t first, int64_t count,
                   int64_t context, int32_t* out);
 
 // The residual stream's spread (LossParts::residual_std) grows without bound before a run
@@ -37,12 +37,13 @@ using CrossEntropySum = std::function<double(const int32_t* tokens, int64_t B)>;
 // (window i starts at token i * context, so every token but the first is predicted once);
 // max_windows = 0 takes every window. The windows are split over the ranks of `world`, which
 // all make the same number of calls (an expert-parallel model needs every rank in each).
-double evaluate(const CrossEntropySum& ce_sum, int64_t context, const TokenFile& data, int64_t micro_batch,
+double evaluate(const CrossEntropySum& ce_sum, int64_t context, const TokenFiles& data, int64_t micro_batch,
                 int64_t max_windows, Communicator& world);
 
-// Opens a token file for a model and checks it fits: same vocabulary, long enough (not its tokens:
-// TokenFile::read and check_vocabulary do).
-TokenFile open_data(const std::string& path, const char* option, const ModelConfig& m);
+// Opens the token files a data option names (a path, a list, globs: core/token_files.h) for a
+// model and checks they fit: same vocabulary, long enough together (not their tokens:
+// TokenFiles::read and check_vocabulary do).
+TokenFiles open_data(const std::string& spec, const char* option, const ModelConfig& m);
 
 class Trainer {
  public:
@@ -131,7 +132,7 @@ class Trainer {
   Config cfg_;
   const ProcessGroups& groups_;
   int64_t local_batch_;  // sequences of each global batch this rank trains on
-  TokenFile train_, val_;
+  TokenFiles train_, val_;
   std::unique_ptr<TrainingBackend> backend_;
   std::ofstream metrics_;
   std::string metrics_error_;

@@ -176,7 +176,7 @@ TEST(Corruption, TokenFileHeadersAreRefusedOrReadIdentically) {
     // format (docs/DATA.md): a flipped token within the vocabulary cannot be told from data.
     std::ofstream(trial_path, std::ios::binary | std::ios::trunc) << corrupt(bytes, rng, 0, 32, trial % 5 == 4);
     counts.add(run_trial([&] {
-      const TokenFile f = open_data(trial_path.string(), "val_data", c.model);
+      const TokenFiles f = open_data(trial_path.string(), "val_data", c.model);
       std::vector<int32_t> back(f.size());
       f.read(0, back);
       return back == tokens;

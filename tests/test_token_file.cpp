@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/token_file.h"
+#include "core/token_files.h"
 
 namespace {
 
@@ -231,4 +232,53 @@ TEST_F(TokenFileTest, ReadNamesTokenOutOfVocabulary) {
   expect_data_error([&] { f.check_vocabulary(); }, path, "token 37 (byte offset 106) is 100");
   write_raw(file("good.bin"), valid_u16_file(50));
   TokenFile(file("good.bin")).check_vocabulary();
+}
+
+// The streaming writer gives the same file as the whole-file writer, piece by piece.
+TEST_F(TokenFileTest, WriterInPiecesEqualsWholeFile) {
+  const std::vector<uint32_t> tokens = {5, 6, 7, 8, 9, 10, 11};
+  write_token_file(file("whole.bin"), 100, tokens);
+  moeut::TokenFileWriter out(file("pieces.bin"), 100);
+  out.append(std::span(tokens).first(3));
+  out.append(std::span(tokens).subspan(3));
+  EXPECT_EQ(out.count(), tokens.size());
+  out.finish();
+  auto bytes = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(bytes(file("pieces.bin")), bytes(file("whole.bin")));
+}
+
+// A writer given up on (an error before finish) leaves neither the file nor its temporary.
+TEST_F(TokenFileTest, WriterDroppedBeforeFinishLeavesNothing) {
+  const std::string path = file("dropped.bin");
+  {
+    moeut::TokenFileWriter out(path, 100);
+    out.append(std::vector<uint32_t>{1, 2});
+    expect_data_error([&] { out.append(std::vector<uint32_t>{3, 100}); }, path, "token 3 is 100");
+  }
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+}
+
+// Several files as one stream: a list, a glob (sorted), reads across a boundary; a pattern that
+// matches nothing and files of different vocabularies are refused, named.
+TEST_F(TokenFileTest, FilesReadAsOneStream) {
+  write_token_file(file("s_00001.bin"), 100, std::vector<uint32_t>{4, 5, 6});
+  write_token_file(file("s_00000.bin"), 100, std::vector<uint32_t>{1, 2, 3});
+  const moeut::TokenFiles glob(file("s_*.bin"));
+  ASSERT_EQ(glob.size(), 6u);
+  EXPECT_EQ(glob.vocab_size(), 100u);
+  std::vector<int32_t> out(4);
+  glob.read(1, out);
+  EXPECT_EQ(out, (std::vector<int32_t>{2, 3, 4, 5}));
+  const moeut::TokenFiles list(file("s_00001.bin") + "," + file("s_00000.bin"));  // the order given
+  list.read(1, out);
+  EXPECT_EQ(out, (std::vector<int32_t>{5, 6, 1, 2}));
+  expect_data_error([&] { list.read(3, out); }, file("s_00001.bin"), "out of range");
+  expect_data_error([&] { moeut::TokenFiles none(file("t_*.bin")); }, file("t_*.bin"), "no file matches");
+  write_token_file(file("s_00002.bin"), 50, std::vector<uint32_t>{7});
+  expect_data_error([&] { moeut::TokenFiles mixed(file("s_*.bin")); }, file("s_00002.bin"),
+                    "vocab_size 50 differs from " + file("s_00000.bin") + "'s 100");
 }

@@ -74,7 +74,7 @@ TEST(Training, ExportedWeightsEvaluateToTheFinalValidationLoss) {
   model.params = w.params;
   SelfCommunicator world("world");
   const double again = evaluate([&](const int32_t* t, int64_t B) { return model.forward_ce_sum(t, B); }, c.model.context,
-                                TokenFile(c.train.val_data), 3 /* another batching */, 0, world);
+                                TokenFiles(c.train.val_data), 3 /* another batching */, 0, world);
   EXPECT_NEAR(again, final_loss, 1e-12 * final_loss);
 }
 

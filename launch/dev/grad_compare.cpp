@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
       cpu.params = std::move(params);
     }
     for (float& p : cpu.params) p = __bfloat162float(__float2bfloat16(p));
-    const TokenFile data = open_data(data_path, "data", cfg);
+    const TokenFiles data = open_data(data_path, "data", cfg);
     std::vector<int32_t> tokens(size_t(batch * (cfg.context + 1)));
     sample_batch(data, seed, step, 0, batch, cfg.context, tokens.data());
 
