@@ -1,8 +1,9 @@
-// moeut-prepare-data: turns plain text into the token files the trainer reads.
-// Reads the inputs, splits them into train/validation (rule in docs/DATA.md), trains a
-// SentencePiece unigram model on the train split only, encodes both splits to DIR/train.bin and
-// DIR/val.bin, and reports the validation perplexity of a unigram model as a baseline that any
-// trained language model has to beat.
+// moeut-prepare-data: turns plain text or JSON lines into the token files the trainer reads.
+// Reads the inputs, splits them into train/validation (rule in docs/DATA.md), trains a SentencePiece unigram model on a bounded
+// sample of the train split (or reuses --tokenizer), encodes both splits in a second pass to
+// DIR/train.bin (or shards of --shard_tokens) and DIR/val.bin, and reports the validation
+// perplexity of a unigram model as a baseline that any trained language model has to beat. The
+// input streams through: memory is bounded whatever the corpus size (docs/DATA.md).
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
 
@@ -18,6 +19,8 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <memory>
+#include <numeric>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "core/token_file.h"
+#include "launch/prepare_input.h"
 
 namespace {
 
@@ -36,11 +40,22 @@ using moeut::DataError;
 // Lines per split block: long enough to keep paragraphs mostly whole, short enough that the
 // validation split samples the whole corpus (Brown, for one, is ordered by genre).
 constexpr size_t kBlockLines = 50;
+// The longest sentence SentencePiece trains on (its max_sentence_length default); longer text is
+// cut for training at a space, so that documents of a JSON-lines corpus are not skipped.
+constexpr size_t kMaxSentenceBytes = 4192;
+// Text encoded per batch in the second pass: the pass holds this much text and its tokens.
+constexpr size_t kBatchBytes = size_t{8} << 20;
+// The exit status for bad input data (sysexits' EX_DATAERR), as moeut-train uses it.
+constexpr int kExitDataError = 65;
 
 struct Options {
-  std::vector<std::string> inputs;
+  moeut::InputSpec input{.paths = {}, .format = "", .text_field = "text"};
   fs::path out_dir;
   int64_t vocab_size = 8000;
+  bool vocab_size_given = false;
+  std::string tokenizer;
+  int64_t shard_tokens = 0;
+  int64_t sample_sentences = 200000;
   double val_fraction = 0.05;
   int64_t seed = 1;
   int64_t threads = 2;
@@ -63,10 +78,19 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 bool parse_options(int argc, char** argv, Options& opt) {
   po::options_description desc("moeut-prepare-data options");
   desc.add_options()("help,h", "show this help")(
-      "input", po::value<std::vector<std::string>>(&opt.inputs)->multitoken()->composing()->required(),
-      "one or more plain-text files, one sentence or paragraph per line")(
-      "out_dir", po::value<std::string>()->required(), "output directory (created if missing)")(
-      "vocab_size", po::value<int64_t>(&opt.vocab_size)->default_value(opt.vocab_size), "SentencePiece vocabulary size")(
+      "input", po::value<std::vector<std::string>>(&opt.input.paths)->multitoken()->composing(),
+      "text files (one sentence or paragraph per line) or JSON-lines files (one object per line)")(
+      "format", po::value<std::string>(&opt.input.format), "text or jsonl (default: jsonl for a .jsonl file, else text)")(
+      "text_field", po::value<std::string>(&opt.input.text_field)->default_value(opt.input.text_field),
+      "the string field of each JSON line that holds its text")(
+      "out_dir", po::value<std::string>(), "output directory (created if missing)")(
+      "vocab_size", po::value<int64_t>(&opt.vocab_size)->default_value(opt.vocab_size),
+      "SentencePiece vocabulary size")(
+      "tokenizer", po::value<std::string>(&opt.tokenizer), "an existing SentencePiece model to encode with (no training)")(
+      "shard_tokens", po::value<int64_t>(&opt.shard_tokens)->default_value(opt.shard_tokens),
+      "split the train output into train_00000.bin, ... of this many tokens (0: one train.bin)")(
+      "sample_sentences", po::value<int64_t>(&opt.sample_sentences)->default_value(opt.sample_sentences),
+      "at most this many train sentences, sampled, train the SentencePiece model")(
       "val_fraction", po::value<double>(&opt.val_fraction)->default_value(opt.val_fraction, "0.05"),
       "share of 50-line blocks sent to validation, in (0, 0.5]")(
       "seed", po::value<int64_t>(&opt.seed)->default_value(opt.seed), "SentencePiece random seed")(
@@ -84,7 +108,8 @@ bool parse_options(int argc, char** argv, Options& opt) {
     usage << e.what() << "\n" << desc;
     throw UsageError(usage.str());
   }
-  opt.out_dir = vm["out_dir"].as<std::string>();
+  if (vm.count("out_dir")) opt.out_dir = vm["out_dir"].as<std::string>();
+  opt.vocab_size_given = !vm["vocab_size"].defaulted();
   return true;
 }
 
@@ -94,10 +119,17 @@ std::string format_number(double v) {
   return s.str();
 }
 
-void validate(const Options& opt) {
+void validate_text(const Options& opt) {
+  if (opt.input.paths.empty()) throw UsageError("--input is required");
+  if (opt.out_dir.empty()) throw UsageError("--out_dir is required");
+  if (!opt.input.format.empty() && opt.input.format != "text" && opt.input.format != "jsonl")
+    throw UsageError("--format must be text or jsonl, got " + opt.input.format);
   // 3 ids are reserved (unk, bos, eos); fewer than a handful of real pieces cannot cover text.
   if (opt.vocab_size < 8 || opt.vocab_size > (int64_t{1} << 31))
     throw UsageError("--vocab_size must be between 8 and 2^31, got " + std::to_string(opt.vocab_size));
+  if (opt.shard_tokens < 0) throw UsageError("--shard_tokens must be 0 or more, got " + std::to_string(opt.shard_tokens));
+  if (opt.sample_sentences < 1000)
+    throw UsageError("--sample_sentences must be at least 1000, got " + std::to_string(opt.sample_sentences));
   if (!(opt.val_fraction > 0.0 && opt.val_fraction <= 0.5))
     throw UsageError("--val_fraction must be in (0, 0.5], got " + format_number(opt.val_fraction));
   // UINT32_MAX is SentencePiece's "seed from std::random_device" marker, so it is not a seed.
@@ -108,63 +140,59 @@ void validate(const Options& opt) {
     throw UsageError("--threads must be in [1, 128], got " + std::to_string(opt.threads));
 }
 
-bool is_blank(const std::string& s) { return s.find_first_not_of(" \t\r\n\v\f") == std::string::npos; }
-
-// Appends the non-blank lines of one file; blank lines carry no text and would skew blocks.
-size_t read_lines(const std::string& path, std::vector<std::string>& lines) {
-  std::error_code ec;
-  const auto status = fs::status(path, ec);
-  if (!fs::exists(status)) throw DataError(path + ": cannot read: no such file");
-  if (!fs::is_regular_file(status)) throw DataError(path + ": cannot read: not a regular file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(path + ": cannot open for reading");
-  size_t kept = 0;
-  for (std::string line; std::getline(in, line);) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();  // tolerate CRLF text
-    if (is_blank(line)) continue;
-    lines.push_back(std::move(line));
-    ++kept;
-  }
-  if (in.bad()) throw DataError(path + ": read error");
-  return kept;
-}
-
-std::vector<std::string> read_inputs(const std::vector<std::string>& paths) {
-  std::vector<std::string> lines;
-  for (const auto& p : paths)
-    if (read_lines(p, lines) == 0) std::cerr << "warning: " << p << ": no non-blank text\n";
-  if (lines.empty()) {
-    std::string names;
-    for (const auto& p : paths) names += (names.empty() ? "" : ", ") + p;
-    throw DataError(names + ": no non-blank text in the input");
-  }
-  return lines;
-}
-
-// Blocks of kBlockLines consecutive lines; block b goes to validation when
+// Blocks of kBlockLines consecutive documents; block b goes to validation when
 // b % period == period - 1, period = round(1 / val_fraction). Deterministic and independent of
 // the seed, so the same text always gives the same validation set.
-Splits split_lines(std::vector<std::string> lines, double val_fraction) {
-  const size_t period = static_cast<size_t>(std::llround(1.0 / val_fraction));
-  Splits s;
-  for (size_t i = 0; i < lines.size(); ++i) {
-    const size_t block = i / kBlockLines;
-    (block % period == period - 1 ? s.val : s.train).push_back(std::move(lines[i]));
-  }
-  if (s.val.empty())
-    throw DataError("input too small for a validation split: " + std::to_string(lines.size()) +
-                    " non-blank lines, but validation takes every " + std::to_string(period) +
-                    "th block of " + std::to_string(kBlockLines) + " lines, so at least " +
+struct SplitRule {
+  size_t period;
+  explicit SplitRule(double val_fraction) : period(static_cast<size_t>(std::llround(1.0 / val_fraction))) {}
+  bool is_val(uint64_t index) const { return (index / kBlockLines) % period == period - 1; }
+  void check(uint64_t docs, uint64_t val_docs) const {
+    if (val_docs > 0) return;
+    throw DataError("input too small for a validation split: " + std::to_string(docs) +
+                    " non-blank lines, but validation takes every " + std::to_string(period) + "th block of " +
+                    std::to_string(kBlockLines) + " lines, so at least " +
                     std::to_string(period * kBlockLines - kBlockLines + 1) + " lines are needed");
-  return s;
+  }
+};
+
+// One document as SentencePiece training sentences: a line per line of the document, each cut at
+// a space (or else at a character boundary) to at most kMaxSentenceBytes.
+void write_training_text(std::ofstream& out, std::string_view doc) {
+  while (!doc.empty()) {
+    const size_t newline = std::min(doc.find('\n'), doc.size());
+    std::string_view part = doc.substr(0, newline);
+    doc.remove_prefix(std::min(newline + 1, doc.size()));
+    while (part.size() > kMaxSentenceBytes) {
+      size_t cut = part.rfind(' ', kMaxSentenceBytes);
+      if (cut == std::string_view::npos || cut == 0) {
+        cut = kMaxSentenceBytes;
+        while (cut > 1 && (static_cast<unsigned char>(part[cut]) & 0xC0) == 0x80) --cut;  // a UTF-8 continuation byte
+      }
+      if (!moeut::is_blank(part.substr(0, cut))) out << part.substr(0, cut) << '\n';
+      part.remove_prefix(cut);
+    }
+    if (!moeut::is_blank(part)) out << part << '\n';
+  }
 }
 
-void write_lines(const fs::path& path, const std::vector<std::string>& lines) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw DataError(path.string() + ": cannot create");
-  for (const auto& l : lines) out << l << '\n';
+// First pass: the train split's text into train_txt; returns the documents of each split.
+std::pair<uint64_t, uint64_t> write_train_text(const Options& opt, const SplitRule& rule, const fs::path& train_txt) {
+  std::ofstream out(train_txt, std::ios::binary | std::ios::trunc);
+  if (!out) throw DataError(train_txt.string() + ": cannot create");
+  uint64_t train = 0, val = 0;
+  moeut::for_each_document(opt.input, [&](const std::string& doc, uint64_t index) {
+    if (rule.is_val(index)) {
+      ++val;
+      return;
+    }
+    ++train;
+    write_training_text(out, doc);
+  });
   out.close();
-  if (!out) throw DataError(path.string() + ": write failed");
+  if (!out) throw DataError(train_txt.string() + ": write failed");
+  rule.check(train + val, val);
+  return {train, val};
 }
 
 // SentencePiece reports the largest possible vocabulary in its message; quote it when present.
@@ -183,6 +211,10 @@ void train_sentencepiece(const Options& opt, const fs::path& train_txt, const fs
       {"model_type", "unigram"},
       {"vocab_size", std::to_string(opt.vocab_size)},
       {"character_coverage", "1.0"},
+      // The memory bound: SentencePiece keeps a uniform sample of this many sentences.
+      {"input_sentence_size", std::to_string(opt.sample_sentences)},
+      {"shuffle_input_sentence", "true"},
+      {"max_sentence_length", std::to_string(kMaxSentenceBytes)},
       {"pad_id", "-1"},
       {"unk_id", "0"},
       {"bos_id", "1"},
@@ -203,15 +235,40 @@ void train_sentencepiece(const Options& opt, const fs::path& train_txt, const fs
   throw DataError("SentencePiece training on " + train_txt.string() + " failed: " + msg);
 }
 
-// Encodes lines[begin, end) into out, an eos after every line so the model learns where
-// sentences end.
+// Loads a model and checks it can encode for training: it has an eos piece and, when
+// --vocab_size was given, that many pieces.
+void load_tokenizer(const Options& opt, const fs::path& model, sentencepiece::SentencePieceProcessor& sp) {
+  const auto status = sp.Load(model.string());
+  if (!status.ok()) throw DataError(model.string() + ": cannot load as a SentencePiece model: " + status.message());
+  if (sp.eos_id() < 0) throw DataError(model.string() + ": the model has no eos piece, which ends every document");
+  if (opt.vocab_size_given && sp.GetPieceSize() != opt.vocab_size)
+    throw DataError(model.string() + ": the model has " + std::to_string(sp.GetPieceSize()) +
+                    " pieces but --vocab_size is " + std::to_string(opt.vocab_size));
+}
+
+// Puts a reused model beside the output, as training would have: DIR/spm.model and DIR/spm.vocab
+// (a piece and its score a line).
+void place_tokenizer(const sentencepiece::SentencePieceProcessor& sp, const fs::path& model, const fs::path& prefix) {
+  const fs::path target = prefix.string() + ".model";
+  std::error_code ec;
+  if (!fs::equivalent(model, target, ec)) fs::copy_file(model, target, fs::copy_options::overwrite_existing, ec);
+  if (ec) throw DataError(target.string() + ": cannot copy " + model.string() + " to it: " + ec.message());
+  const fs::path vocab = prefix.string() + ".vocab";
+  std::ofstream out(vocab, std::ios::trunc);
+  for (int id = 0; id < sp.GetPieceSize(); ++id) out << sp.IdToPiece(id) << '\t' << sp.GetScore(id) << '\n';
+  out.close();
+  if (!out) throw DataError(vocab.string() + ": write failed");
+}
+
+// Encodes lines[begin, end) into out, an eos after every document so the model learns where
+// documents end.
 void encode_range(const sentencepiece::SentencePieceProcessor& sp, const std::vector<std::string>& lines,
                   size_t begin, size_t end, std::vector<uint32_t>& out, std::string& error) {
   std::vector<int> ids;
   for (size_t i = begin; i < end; ++i) {
     const auto status = sp.Encode(lines[i], &ids);
     if (!status.ok()) {
-      error = "encoding line " + std::to_string(i + 1) + " failed: " + status.message();
+      error = "encoding \"" + lines[i].substr(0, 60) + "\" failed: " + status.message();
       return;
     }
     out.insert(out.end(), ids.begin(), ids.end());
@@ -241,15 +298,112 @@ std::vector<uint32_t> encode_lines(const sentencepiece::SentencePieceProcessor& 
   return all;
 }
 
+// The train split's token files: DIR/train.bin, or with shard_tokens > 0 DIR/train_00000.bin,
+// train_00001.bin, ... of shard_tokens tokens each (the last may hold fewer).
+class TrainWriter {
+ public:
+  TrainWriter(fs::path dir, uint32_t vocab_size, uint64_t shard_tokens)
+      : dir_(std::move(dir)), vocab_size_(vocab_size), limit_(shard_tokens > 0 ? shard_tokens : UINT64_MAX) {}
+
+  void append(std::span<const uint32_t> tokens) {
+    while (!tokens.empty()) {
+      if (!open_) open_ = std::make_unique<moeut::TokenFileWriter>(name(written_).string(), vocab_size_);
+      const size_t n = size_t(std::min<uint64_t>(tokens.size(), limit_ - open_->count()));
+      open_->append(tokens.first(n));
+      tokens = tokens.subspan(n);
+      if (open_->count() == limit_) close();
+    }
+  }
+
+  // Finishes the last file; removes shards numbered past it, left by an earlier run, so that a
+  // glob over the directory reads this run's alone. Returns the number of files.
+  size_t finish() {
+    if (open_) close();
+    if (written_ == 0) throw DataError(name(0).string() + ": no train tokens to write");
+    for (size_t i = written_; limit_ != UINT64_MAX && fs::remove(name(i));) ++i;
+    return written_;
+  }
+
+ private:
+  fs::path dir_;
+  uint32_t vocab_size_;
+  uint64_t limit_;  // tokens per file
+  size_t written_ = 0;
+  std::unique_ptr<moeut::TokenFileWriter> open_;
+
+  fs::path name(size_t i) const {
+    if (limit_ == UINT64_MAX) return dir_ / "train.bin";
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "train_%05zu.bin", i);
+    return dir_ / buf;
+  }
+  void close() {
+    open_->finish();
+    open_.reset();
+    ++written_;
+  }
+};
+
+// How often each token id occurs in a split, for the unigram baseline.
+using Counts = std::vector<uint64_t>;
+
+// Second pass: encodes each split in batches of about kBatchBytes of text and writes the tokens
+// as they come, counting them.
+class Encoder {
+ public:
+  Encoder(const sentencepiece::SentencePieceProcessor& sp, size_t threads, TrainWriter& train,
+          moeut::TokenFileWriter& val)
+      : sp_(sp), threads_(threads), train_(train), val_(val),
+        train_counts_(size_t(sp.GetPieceSize()), 0), val_counts_(size_t(sp.GetPieceSize()), 0) {}
+
+  void add(const std::string& doc, bool is_val) {
+    (is_val ? batch_.val : batch_.train).push_back(doc);
+    ++(is_val ? val_docs_ : train_docs_);
+    bytes_ += doc.size();
+    if (bytes_ >= kBatchBytes) flush();
+  }
+
+  void flush() {
+    write(batch_.train, train_counts_, [&](std::span<const uint32_t> t) { train_.append(t); });
+    write(batch_.val, val_counts_, [&](std::span<const uint32_t> t) { val_.append(t); });
+    batch_ = {};
+    bytes_ = 0;
+  }
+
+  uint64_t train_docs() const { return train_docs_; }
+  uint64_t val_docs() const { return val_docs_; }
+  const Counts& train_counts() const { return train_counts_; }
+  const Counts& val_counts() const { return val_counts_; }
+
+ private:
+  const sentencepiece::SentencePieceProcessor& sp_;
+  size_t threads_;
+  TrainWriter& train_;
+  moeut::TokenFileWriter& val_;
+  Splits batch_;
+  size_t bytes_ = 0;
+  uint64_t train_docs_ = 0, val_docs_ = 0;
+  Counts train_counts_, val_counts_;
+
+  void write(const std::vector<std::string>& docs, Counts& counts,
+             const std::function<void(std::span<const uint32_t>)>& sink) {
+    if (docs.empty()) return;
+    const std::vector<uint32_t> tokens = encode_lines(sp_, docs, threads_);
+    for (uint32_t t : tokens) ++counts[t];
+    sink(tokens);
+  }
+};
+
+uint64_t total(const Counts& c) { return std::accumulate(c.begin(), c.end(), uint64_t{0}); }
+
 // exp of the mean negative log-probability of the validation tokens under the add-one-smoothed
 // unigram distribution of the train tokens, over the full vocabulary (unseen pieces included).
-double unigram_perplexity(const std::vector<uint32_t>& train, const std::vector<uint32_t>& val, uint32_t vocab) {
-  std::vector<uint64_t> counts(vocab, 0);
-  for (uint32_t t : train) ++counts[t];
-  const double denom = static_cast<double>(train.size()) + vocab;
+double unigram_perplexity(const Counts& train, const Counts& val) {
+  const double denom = static_cast<double>(total(train)) + static_cast<double>(train.size());
   double nll = 0.0;
-  for (uint32_t t : val) nll -= std::log((static_cast<double>(counts[t]) + 1.0) / denom);
-  return std::exp(nll / static_cast<double>(val.size()));
+  for (size_t t = 0; t < val.size(); ++t)
+    nll -= static_cast<double>(val[t]) * std::log((static_cast<double>(train[t]) + 1.0) / denom);
+  return std::exp(nll / static_cast<double>(total(val)));
 }
 
 void write_number(const fs::path& path, const std::string& text) {
@@ -266,39 +420,52 @@ std::string format_2dp(double v) {
   return buf;
 }
 
-void run(const Options& opt) {
+// The model to encode with: --tokenizer's, placed beside the output, or one trained on the
+// train split's sample (first pass).
+void make_tokenizer(const Options& opt, const SplitRule& rule, sentencepiece::SentencePieceProcessor& sp) {
   using clock = std::chrono::steady_clock;
+  const fs::path prefix = opt.out_dir / "spm";
+  if (!opt.tokenizer.empty()) {
+    load_tokenizer(opt, opt.tokenizer, sp);
+    place_tokenizer(sp, opt.tokenizer, prefix);
+    std::cout << "tokenizer " << opt.tokenizer << ", " << sp.GetPieceSize() << " pieces, copied to "
+              << prefix.string() << ".model\n";
+    return;
+  }
+  auto t0 = clock::now();
+  const fs::path train_txt = opt.out_dir / "train.txt";
+  const auto [train, val] = write_train_text(opt, rule, train_txt);
+  std::cout << "lines: train " << train << ", validation " << val << " (" << format_2dp(seconds_since(t0)) << " s)\n";
+  t0 = clock::now();
+  train_sentencepiece(opt, train_txt, prefix);
+  load_tokenizer(opt, prefix.string() + ".model", sp);
+  std::cout << "trained SentencePiece unigram model " << prefix.string() << ".model, " << opt.vocab_size
+            << " pieces (" << format_2dp(seconds_since(t0)) << " s)\n";
+}
+
+void run_text(const Options& opt) {
   std::error_code ec;
   fs::create_directories(opt.out_dir, ec);
   if (ec) throw DataError(opt.out_dir.string() + ": cannot create directory: " + ec.message());
-
-  auto t0 = clock::now();
-  Splits splits = split_lines(read_inputs(opt.inputs), opt.val_fraction);
-  const fs::path train_txt = opt.out_dir / "train.txt";
-  write_lines(train_txt, splits.train);
-  std::cout << "lines: train " << splits.train.size() << ", validation " << splits.val.size() << " ("
-            << format_2dp(seconds_since(t0)) << " s)\n";
-
-  t0 = clock::now();
-  const fs::path prefix = opt.out_dir / "spm";
-  train_sentencepiece(opt, train_txt, prefix);
-  std::cout << "trained SentencePiece unigram model " << prefix.string() << ".model, " << opt.vocab_size
-            << " pieces (" << format_2dp(seconds_since(t0)) << " s)\n";
-
-  t0 = clock::now();
+  const SplitRule rule(opt.val_fraction);
   sentencepiece::SentencePieceProcessor sp;
-  const auto status = sp.Load(prefix.string() + ".model");
-  if (!status.ok()) throw DataError(prefix.string() + ".model: cannot load: " + status.message());
-  const auto vocab = static_cast<uint32_t>(sp.GetPieceSize());
-  const auto threads = static_cast<size_t>(opt.threads);
-  const std::vector<uint32_t> train = encode_lines(sp, splits.train, threads);
-  const std::vector<uint32_t> val = encode_lines(sp, splits.val, threads);
-  moeut::write_token_file((opt.out_dir / "train.bin").string(), vocab, train);
-  moeut::write_token_file((opt.out_dir / "val.bin").string(), vocab, val);
-  std::cout << "tokens: train " << train.size() << ", validation " << val.size() << " ("
-            << format_2dp(seconds_since(t0)) << " s)\n";
+  make_tokenizer(opt, rule, sp);
 
-  const std::string ppl = format_2dp(unigram_perplexity(train, val, vocab));
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto vocab = static_cast<uint32_t>(sp.GetPieceSize());
+  TrainWriter train(opt.out_dir, vocab, uint64_t(opt.shard_tokens));
+  moeut::TokenFileWriter val((opt.out_dir / "val.bin").string(), vocab);
+  Encoder enc(sp, size_t(opt.threads), train, val);
+  moeut::for_each_document(opt.input, [&](const std::string& doc, uint64_t index) { enc.add(doc, rule.is_val(index)); });
+  enc.flush();
+  rule.check(enc.train_docs() + enc.val_docs(), enc.val_docs());
+  const size_t shards = train.finish();
+  val.finish();
+  if (!opt.tokenizer.empty()) std::cout << "lines: train " << enc.train_docs() << ", validation " << enc.val_docs() << "\n";
+  std::cout << "tokens: train " << total(enc.train_counts()) << (shards > 1 ? " in " + std::to_string(shards) + " shards" : "")
+            << ", validation " << total(enc.val_counts()) << " (" << format_2dp(seconds_since(t0)) << " s)\n";
+
+  const std::string ppl = format_2dp(unigram_perplexity(enc.train_counts(), enc.val_counts()));
   write_number(opt.out_dir / "unigram_ppl.txt", ppl);
   std::cout << "unigram perplexity (validation): " << ppl << "\n";
 }
@@ -309,12 +476,15 @@ int main(int argc, char** argv) {
   try {
     Options opt;
     if (!parse_options(argc, argv, opt)) return 0;
-    validate(opt);
-    run(opt);
+    validate_text(opt);
+    run_text(opt);
     return 0;
   } catch (const UsageError& e) {
     std::cerr << "moeut-prepare-data: " << e.what() << "\n";
     return 2;
+  } catch (const DataError& e) {
+    std::cerr << "moeut-prepare-data: error: " << e.what() << "\n";
+    return kExitDataError;
   } catch (const std::exception& e) {
     std::cerr << "moeut-prepare-data: error: " << e.what() << "\n";
     return 1;
