@@ -1,5 +1,6 @@
-// moeut-prepare-data: turns plain text or JSON lines into the token files the trainer reads.
-// Reads the inputs, splits them into train/validation (rule in docs/DATA.md), trains a SentencePiece unigram model on a bounded
+// moeut-prepare-data: turns plain text or JSON lines into the token files the trainer reads, or
+// converts llm.c / nanoGPT token files (--from_llmc). Text: reads the inputs, splits them into
+// train/validation (rule in docs/DATA.md), trains a SentencePiece unigram model on a bounded
 // sample of the train split (or reuses --tokenizer), encodes both splits in a second pass to
 // DIR/train.bin (or shards of --shard_tokens) and DIR/val.bin, and reports the validation
 // perplexity of a unigram model as a baseline that any trained language model has to beat. The
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "core/token_file.h"
+#include "launch/llmc_import.h"
 #include "launch/prepare_input.h"
 
 namespace {
@@ -59,6 +61,8 @@ struct Options {
   double val_fraction = 0.05;
   int64_t seed = 1;
   int64_t threads = 2;
+  std::vector<std::string> from_llmc;
+  std::string out;
 };
 
 struct Splits {
@@ -85,7 +89,7 @@ bool parse_options(int argc, char** argv, Options& opt) {
       "the string field of each JSON line that holds its text")(
       "out_dir", po::value<std::string>(), "output directory (created if missing)")(
       "vocab_size", po::value<int64_t>(&opt.vocab_size)->default_value(opt.vocab_size),
-      "SentencePiece vocabulary size")(
+      "SentencePiece vocabulary size; with --from_llmc the tokens' vocabulary (required there)")(
       "tokenizer", po::value<std::string>(&opt.tokenizer), "an existing SentencePiece model to encode with (no training)")(
       "shard_tokens", po::value<int64_t>(&opt.shard_tokens)->default_value(opt.shard_tokens),
       "split the train output into train_00000.bin, ... of this many tokens (0: one train.bin)")(
@@ -94,7 +98,10 @@ bool parse_options(int argc, char** argv, Options& opt) {
       "val_fraction", po::value<double>(&opt.val_fraction)->default_value(opt.val_fraction, "0.05"),
       "share of 50-line blocks sent to validation, in (0, 0.5]")(
       "seed", po::value<int64_t>(&opt.seed)->default_value(opt.seed), "SentencePiece random seed")(
-      "threads", po::value<int64_t>(&opt.threads)->default_value(opt.threads), "threads for training and encoding");
+      "threads", po::value<int64_t>(&opt.threads)->default_value(opt.threads), "threads for training and encoding")(
+      "from_llmc", po::value<std::vector<std::string>>(&opt.from_llmc)->multitoken()->composing(),
+      "llm.c or nanoGPT uint16 token files to convert (with --vocab_size and --out)")(
+      "out", po::value<std::string>(&opt.out), "the token file --from_llmc writes");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, desc), vm);
@@ -119,9 +126,18 @@ std::string format_number(double v) {
   return s.str();
 }
 
+void validate_llmc(const Options& opt) {
+  if (!opt.input.paths.empty() || !opt.out_dir.empty()) throw UsageError("--from_llmc takes --out, not --input or --out_dir");
+  if (opt.out.empty()) throw UsageError("--from_llmc needs --out FILE");
+  if (!opt.vocab_size_given) throw UsageError("--from_llmc needs --vocab_size, the vocabulary of its tokens");
+  if (opt.vocab_size < 1 || opt.vocab_size > int64_t{UINT32_MAX})
+    throw UsageError("--vocab_size must be between 1 and 2^32 - 1, got " + std::to_string(opt.vocab_size));
+}
+
 void validate_text(const Options& opt) {
-  if (opt.input.paths.empty()) throw UsageError("--input is required");
+  if (opt.input.paths.empty()) throw UsageError("--input is required (or --from_llmc)");
   if (opt.out_dir.empty()) throw UsageError("--out_dir is required");
+  if (!opt.out.empty()) throw UsageError("--out goes with --from_llmc; text input writes to --out_dir");
   if (!opt.input.format.empty() && opt.input.format != "text" && opt.input.format != "jsonl")
     throw UsageError("--format must be text or jsonl, got " + opt.input.format);
   // 3 ids are reserved (unk, bos, eos); fewer than a handful of real pieces cannot cover text.
@@ -476,6 +492,11 @@ int main(int argc, char** argv) {
   try {
     Options opt;
     if (!parse_options(argc, argv, opt)) return 0;
+    if (!opt.from_llmc.empty()) {
+      validate_llmc(opt);
+      moeut::import_llmc({.inputs = opt.from_llmc, .vocab_size = uint32_t(opt.vocab_size), .out = opt.out});
+      return 0;
+    }
     validate_text(opt);
     run_text(opt);
     return 0;

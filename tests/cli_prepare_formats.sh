@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # moeut-prepare-data's inputs and outputs beyond plain text (docs/DATA.md): JSON lines, a reused
-# tokenizer, train shards read back through a glob and a list; the trainer trains on each. Every bad input is refused with exit status 65 and its message.
+# tokenizer, train shards read back through a glob and a list, llm.c and nanoGPT token files; the
+# trainer trains on each. Every bad input is refused with exit status 65 and its message.
 # Usage: cli_prepare_formats.sh BIN_DIR WORK_DIR
 set -euo pipefail
 bin=$1 work=$2
@@ -62,6 +63,30 @@ steps=6 train "$list" list
 [ "$(losses "$work/glob.jsonl")" = "$(losses "$work/whole.jsonl")" ] || fail "the glob trains unlike train.bin"
 [ "$(losses "$work/list.jsonl")" = "$(losses "$work/whole.jsonl")" ] || fail "the list trains unlike train.bin"
 
+# llm.c (1024-byte header) and nanoGPT (headerless) files of train.bin's tokens convert back to it.
+python3 - "$work/data/train.bin" "$work" <<'PY'
+import struct, sys
+tokens = open(sys.argv[1], "rb").read()[32:]
+n = len(tokens) // 2
+header = struct.pack("<3i", 20240520, 1, n) + bytes(1024 - 12)
+open(sys.argv[2] + "/llmc.bin", "wb").write(header + tokens)
+open(sys.argv[2] + "/nanogpt.bin", "wb").write(tokens)
+bad = bytearray(tokens)
+bad[200:202] = struct.pack("<H", 48)  # token 100: one past the vocabulary of 48
+open(sys.argv[2] + "/llmc_bad.bin", "wb").write(header + bytes(bad))
+open(sys.argv[2] + "/llmc_short.bin", "wb").write(header + tokens[:-2])
+open(sys.argv[2] + "/llmc_v7.bin", "wb").write(struct.pack("<3i", 20240520, 7, n) + bytes(1012) + tokens)
+open(sys.argv[2] + "/odd.bin", "wb").write(tokens[:-1])
+PY
+"$prep" --from_llmc "$work/llmc.bin" --vocab_size 48 --out "$work/from_llmc.bin" > "$work/llmc_prep.txt"
+"$prep" --from_llmc "$work/nanogpt.bin" --vocab_size 48 --out "$work/from_nanogpt.bin" > "$work/nanogpt_prep.txt"
+grep -q "llmc.bin: llm.c header, " "$work/llmc_prep.txt" || fail "the llm.c header was not recognised"
+grep -q "nanogpt.bin: no header (nanoGPT)" "$work/nanogpt_prep.txt" || fail "the headerless file was not recognised"
+cmp -s "$work/from_llmc.bin" "$work/data/train.bin" || fail "the llm.c file converts to other tokens"
+cmp -s "$work/from_nanogpt.bin" "$work/data/train.bin" || fail "the nanoGPT file converts to other tokens"
+train "$work/from_llmc.bin" llmc
+train "$work/from_nanogpt.bin" nanogpt
+
 # Refusals, each with exit status 65 and the file and problem named.
 printf '{"text": "a b"}\n{"text": "c"}\n{"text": "d" "e"}\n' > "$work/bad.jsonl"
 refused 65 "bad.jsonl:3: malformed JSON at column 14: expected ',' or '}'" \
@@ -74,7 +99,14 @@ refused 65 "text.txt:1: malformed JSON at column 1: expected '{'" \
   "$prep" --input "$work/text.txt" --format jsonl --out_dir "$work/bad"
 refused 65 "spm.model: the model has 48 pieces but --vocab_size is 64" \
   "$prep" --input "$work/text.txt" --out_dir "$work/bad" --tokenizer "$work/data/spm.model" --vocab_size 64
-"$prep" --input "$work/text.txt" --out_dir "$work/vocab50" --vocab_size 50 --threads 1 > /dev/null
-refused 65 "train.bin: vocab_size 50 differs from ${shards[0]}'s 48" train "${shards[0]},$work/vocab50/train.bin" mixed
+refused 65 "llmc_bad.bin: token out of vocabulary: token 100 (byte offset 1224) is 48 but --vocab_size is 48" \
+  "$prep" --from_llmc "$work/llmc.bin" "$work/llmc_bad.bin" --vocab_size 48 --out "$work/bad.bin"
+[ ! -e "$work/bad.bin" ] && [ ! -e "$work/bad.bin.tmp" ] || fail "a refused conversion left a file"
+refused 65 "llmc_short.bin: llm.c header says" "$prep" --from_llmc "$work/llmc_short.bin" --vocab_size 48 --out "$work/bad.bin"
+refused 65 "llmc_v7.bin: llm.c header version 7 is not supported" \
+  "$prep" --from_llmc "$work/llmc_v7.bin" --vocab_size 48 --out "$work/bad.bin"
+refused 65 "odd.bin: no llm.c header and an odd size" "$prep" --from_llmc "$work/odd.bin" --vocab_size 48 --out "$work/bad.bin"
+"$prep" --from_llmc "$work/nanogpt.bin" --vocab_size 50 --out "$work/vocab50.bin" > /dev/null
+refused 65 "vocab50.bin: vocab_size 50 differs from ${shards[0]}'s 48" train "${shards[0]},$work/vocab50.bin" mixed
 refused 65 "train_9*.bin: no file matches" train "$work/shards/train_9*.bin" none
-echo "PASS: JSON lines, a reused tokenizer and shards prepared and trained on; bad input refused"
+echo "PASS: JSON lines, a reused tokenizer, shards, llm.c and nanoGPT files prepared and trained on; bad input refused"
