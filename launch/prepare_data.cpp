@@ -18,19 +18,16 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iostream>
-#include <memory>
-#include <numeric>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "core/token_file.h"
 #include "launch/llmc_import.h"
+#include "launch/prepare_encode.h"
 #include "launch/prepare_input.h"
 
 namespace {
@@ -45,8 +42,6 @@ constexpr size_t kBlockLines = 50;
 // The longest sentence SentencePiece trains on (its max_sentence_length default); longer text is
 // cut for training at a space, so that documents of a JSON-lines corpus are not skipped.
 constexpr size_t kMaxSentenceBytes = 4192;
-// Text encoded per batch in the second pass: the pass holds this much text and its tokens.
-constexpr size_t kBatchBytes = size_t{8} << 20;
 // The exit status for bad input data (sysexits' EX_DATAERR), as moeut-train uses it.
 constexpr int kExitDataError = 65;
 
@@ -63,10 +58,6 @@ struct Options {
   int64_t threads = 2;
   std::vector<std::string> from_llmc;
   std::string out;
-};
-
-struct Splits {
-  std::vector<std::string> train, val;
 };
 
 // Thrown for bad command-line values; main reports it and exits with status 2.
@@ -276,150 +267,14 @@ void place_tokenizer(const sentencepiece::SentencePieceProcessor& sp, const fs::
   if (!out) throw DataError(vocab.string() + ": write failed");
 }
 
-// Encodes lines[begin, end) into out, an eos after every document so the model learns where
-// documents end.
-void encode_range(const sentencepiece::SentencePieceProcessor& sp, const std::vector<std::string>& lines,
-                  size_t begin, size_t end, std::vector<uint32_t>& out, std::string& error) {
-  std::vector<int> ids;
-  for (size_t i = begin; i < end; ++i) {
-    const auto status = sp.Encode(lines[i], &ids);
-    if (!status.ok()) {
-      error = "encoding \"" + lines[i].substr(0, 60) + "\" failed: " + status.message();
-      return;
-    }
-    out.insert(out.end(), ids.begin(), ids.end());
-    out.push_back(static_cast<uint32_t>(sp.eos_id()));
-  }
-}
-
-// Encodes in contiguous chunks, one per thread, and concatenates them in order so that the output
-// does not depend on the thread count.
-std::vector<uint32_t> encode_lines(const sentencepiece::SentencePieceProcessor& sp,
-                                   const std::vector<std::string>& lines, size_t n_threads) {
-  n_threads = std::max<size_t>(1, std::min(n_threads, lines.size()));
-  std::vector<std::vector<uint32_t>> parts(n_threads);
-  std::vector<std::string> errors(n_threads);
-  std::vector<std::thread> workers;
-  for (size_t t = 0; t < n_threads; ++t) {
-    const size_t begin = lines.size() * t / n_threads, end = lines.size() * (t + 1) / n_threads;
-    workers.emplace_back(encode_range, std::cref(sp), std::cref(lines), begin, end, std::ref(parts[t]),
-                         std::ref(errors[t]));
-  }
-  for (auto& w : workers) w.join();
-  std::vector<uint32_t> all;
-  for (size_t t = 0; t < n_threads; ++t) {
-    if (!errors[t].empty()) throw DataError(errors[t]);
-    all.insert(all.end(), parts[t].begin(), parts[t].end());
-  }
-  return all;
-}
-
-// The train split's token files: DIR/train.bin, or with shard_tokens > 0 DIR/train_00000.bin,
-// train_00001.bin, ... of shard_tokens tokens each (the last may hold fewer).
-class TrainWriter {
- public:
-  TrainWriter(fs::path dir, uint32_t vocab_size, uint64_t shard_tokens)
-      : dir_(std::move(dir)), vocab_size_(vocab_size), limit_(shard_tokens > 0 ? shard_tokens : UINT64_MAX) {}
-
-  void append(std::span<const uint32_t> tokens) {
-    while (!tokens.empty()) {
-      if (!open_) open_ = std::make_unique<moeut::TokenFileWriter>(name(written_).string(), vocab_size_);
-      const size_t n = size_t(std::min<uint64_t>(tokens.size(), limit_ - open_->count()));
-      open_->append(tokens.first(n));
-      tokens = tokens.subspan(n);
-      if (open_->count() == limit_) close();
-    }
-  }
-
-  // Finishes the last file; removes shards numbered past it, left by an earlier run, so that a
-  // glob over the directory reads this run's alone. Returns the number of files.
-  size_t finish() {
-    if (open_) close();
-    if (written_ == 0) throw DataError(name(0).string() + ": no train tokens to write");
-    for (size_t i = written_; limit_ != UINT64_MAX && fs::remove(name(i));) ++i;
-    return written_;
-  }
-
- private:
-  fs::path dir_;
-  uint32_t vocab_size_;
-  uint64_t limit_;  // tokens per file
-  size_t written_ = 0;
-  std::unique_ptr<moeut::TokenFileWriter> open_;
-
-  fs::path name(size_t i) const {
-    if (limit_ == UINT64_MAX) return dir_ / "train.bin";
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "train_%05zu.bin", i);
-    return dir_ / buf;
-  }
-  void close() {
-    open_->finish();
-    open_.reset();
-    ++written_;
-  }
-};
-
-// How often each token id occurs in a split, for the unigram baseline.
-using Counts = std::vector<uint64_t>;
-
-// Second pass: encodes each split in batches of about kBatchBytes of text and writes the tokens
-// as they come, counting them.
-class Encoder {
- public:
-  Encoder(const sentencepiece::SentencePieceProcessor& sp, size_t threads, TrainWriter& train,
-          moeut::TokenFileWriter& val)
-      : sp_(sp), threads_(threads), train_(train), val_(val),
-        train_counts_(size_t(sp.GetPieceSize()), 0), val_counts_(size_t(sp.GetPieceSize()), 0) {}
-
-  void add(const std::string& doc, bool is_val) {
-    (is_val ? batch_.val : batch_.train).push_back(doc);
-    ++(is_val ? val_docs_ : train_docs_);
-    bytes_ += doc.size();
-    if (bytes_ >= kBatchBytes) flush();
-  }
-
-  void flush() {
-    write(batch_.train, train_counts_, [&](std::span<const uint32_t> t) { train_.append(t); });
-    write(batch_.val, val_counts_, [&](std::span<const uint32_t> t) { val_.append(t); });
-    batch_ = {};
-    bytes_ = 0;
-  }
-
-  uint64_t train_docs() const { return train_docs_; }
-  uint64_t val_docs() const { return val_docs_; }
-  const Counts& train_counts() const { return train_counts_; }
-  const Counts& val_counts() const { return val_counts_; }
-
- private:
-  const sentencepiece::SentencePieceProcessor& sp_;
-  size_t threads_;
-  TrainWriter& train_;
-  moeut::TokenFileWriter& val_;
-  Splits batch_;
-  size_t bytes_ = 0;
-  uint64_t train_docs_ = 0, val_docs_ = 0;
-  Counts train_counts_, val_counts_;
-
-  void write(const std::vector<std::string>& docs, Counts& counts,
-             const std::function<void(std::span<const uint32_t>)>& sink) {
-    if (docs.empty()) return;
-    const std::vector<uint32_t> tokens = encode_lines(sp_, docs, threads_);
-    for (uint32_t t : tokens) ++counts[t];
-    sink(tokens);
-  }
-};
-
-uint64_t total(const Counts& c) { return std::accumulate(c.begin(), c.end(), uint64_t{0}); }
-
 // exp of the mean negative log-probability of the validation tokens under the add-one-smoothed
 // unigram distribution of the train tokens, over the full vocabulary (unseen pieces included).
-double unigram_perplexity(const Counts& train, const Counts& val) {
-  const double denom = static_cast<double>(total(train)) + static_cast<double>(train.size());
+double unigram_perplexity(const moeut::TokenCounts& train, const moeut::TokenCounts& val) {
+  const double denom = static_cast<double>(moeut::total(train)) + static_cast<double>(train.size());
   double nll = 0.0;
   for (size_t t = 0; t < val.size(); ++t)
     nll -= static_cast<double>(val[t]) * std::log((static_cast<double>(train[t]) + 1.0) / denom);
-  return std::exp(nll / static_cast<double>(total(val)));
+  return std::exp(nll / static_cast<double>(moeut::total(val)));
 }
 
 void write_number(const fs::path& path, const std::string& text) {
@@ -469,17 +324,17 @@ void run_text(const Options& opt) {
 
   const auto t0 = std::chrono::steady_clock::now();
   const auto vocab = static_cast<uint32_t>(sp.GetPieceSize());
-  TrainWriter train(opt.out_dir, vocab, uint64_t(opt.shard_tokens));
+  moeut::TrainWriter train(opt.out_dir, vocab, uint64_t(opt.shard_tokens));
   moeut::TokenFileWriter val((opt.out_dir / "val.bin").string(), vocab);
-  Encoder enc(sp, size_t(opt.threads), train, val);
+  moeut::Encoder enc(sp, size_t(opt.threads), train, val);
   moeut::for_each_document(opt.input, [&](const std::string& doc, uint64_t index) { enc.add(doc, rule.is_val(index)); });
   enc.flush();
   rule.check(enc.train_docs() + enc.val_docs(), enc.val_docs());
   const size_t shards = train.finish();
   val.finish();
   if (!opt.tokenizer.empty()) std::cout << "lines: train " << enc.train_docs() << ", validation " << enc.val_docs() << "\n";
-  std::cout << "tokens: train " << total(enc.train_counts()) << (shards > 1 ? " in " + std::to_string(shards) + " shards" : "")
-            << ", validation " << total(enc.val_counts()) << " (" << format_2dp(seconds_since(t0)) << " s)\n";
+  std::cout << "tokens: train " << moeut::total(enc.train_counts()) << (shards > 1 ? " in " + std::to_string(shards) + " shards" : "")
+            << ", validation " << moeut::total(enc.val_counts()) << " (" << format_2dp(seconds_since(t0)) << " s)\n";
 
   const std::string ppl = format_2dp(unigram_perplexity(enc.train_counts(), enc.val_counts()));
   write_number(opt.out_dir / "unigram_ppl.txt", ppl);
