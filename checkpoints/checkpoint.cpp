@@ -14,8 +14,11 @@
 #include <random>
 #include <thread>
 
+#include "checkpoints/hdf5_common.h"
 #include "checkpoints/shard_file.h"
+#include "checkpoints/weights_file.h"
 #include "core/write_error.h"
+#include "parallel/run_errors.h"
 
 namespace fs = std::filesystem;
 
@@ -134,6 +137,27 @@ void read_needs(PieceReader& reader, const Manifest& m, Kind kind, const std::ve
       std::copy_n(scratch.data() + (lo - p.offset), hi - lo, n->dst + (lo - n->begin));
     }
   }
+}
+
+// This rank's part of the optimizer state, all zero: fresh moments, no steps taken.
+OptimizerShard zero_shard(const ZeroPartition& partition) {
+  const size_t n = size_t(partition.owned_elements());
+  return {.master = std::vector<float>(n), .m = std::vector<float>(n), .v = std::vector<float>(n), .steps = 0};
+}
+
+// The interchange file `path` for a run of `run`; refuses (ConfigError naming the option, the
+// file and the problem) one that cannot be read or holds another model.
+Weights read_initial_weights(const std::string& path, const ModelConfig& run) {
+  Weights w;
+  try {
+    w = read_weights(path);
+  } catch (const WeightsError& e) {
+    throw ConfigError(std::string("--init_weights ") + e.what());
+  }
+  w.config.context = run.context;  // not part of the file
+  const std::string diff = h5::model_difference(w.config, "the file", run, "this run");
+  if (!diff.empty()) throw ConfigError("--init_weights " + path + ": " + diff);
+  return w;
 }
 
 }  // namespace
@@ -283,10 +307,7 @@ Manifest load_checkpoint(const std::string& dir, const Config& c, const ProcessG
   agree(*groups.world, [&] {
     m = open_checkpoint(dir, &c.model);
     const std::vector<OwnedRange> ranges = owned_ranges(backend.layout(), backend.partition());
-    const size_t n = size_t(backend.partition().owned_elements());
-    shard.master.resize(n);
-    shard.m.resize(n);
-    shard.v.resize(n);
+    shard = zero_shard(backend.partition());
     shard.steps = m.optimizer_steps;
     PieceReader reader(dir, m);
     for (Kind k : kKinds) {
@@ -298,6 +319,19 @@ Manifest load_checkpoint(const std::string& dir, const Config& c, const ProcessG
   });
   backend.load_optimizer_shard(shard);
   return m;
+}
+
+void load_initial_weights(const std::string& path, const Config& c, const ProcessGroups& groups,
+                          TrainingBackend& backend) {
+  OptimizerShard shard;
+  agree_on(*groups.world, [&] {
+    const Weights w = read_initial_weights(path, c.model);
+    const ParamLayout full(c.model);
+    shard = zero_shard(backend.partition());
+    for (const OwnedRange& r : owned_ranges(backend.layout(), backend.partition()))
+      std::copy_n(w.params.data() + full.at(r.tensor).offset + r.begin, r.count, shard.master.data() + r.state_offset);
+  });
+  backend.load_optimizer_shard(shard);
 }
 
 CheckpointWeights read_checkpoint_weights(const std::string& dir) {
@@ -352,6 +386,22 @@ void check_shared(Communicator& world, const std::string& dir) {
   }
   std::error_code ignored;
   if (world.rank() == 0) fs::remove(probe, ignored);
+}
+
+// --init_weights: the run's parameters from the file, unless a checkpoint was resumed (`resumed`),
+// which wins. Rank 0 says which.
+void start_from_weights(Trainer& trainer, bool resumed) {
+  const TrainConfig& t = trainer.config().train;
+  const bool leader = trainer.groups().world->rank() == 0;
+  if (resumed) {
+    if (leader) std::printf("--init_weights %s not read: the resumed checkpoint holds the weights\n", t.init_weights.c_str());
+  } else {
+    const auto begin = std::chrono::steady_clock::now();
+    load_initial_weights(t.init_weights, trainer.config(), trainer.groups(), trainer.backend());
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    if (leader) std::printf("initial weights from %s | fresh optimizer state | loaded in %.3f s\n", t.init_weights.c_str(), seconds);
+  }
+  std::fflush(stdout);
 }
 
 }  // namespace
@@ -413,6 +463,7 @@ void setup_checkpoints(Trainer& trainer) {
       std::fflush(stdout);
     }
   }
+  if (!t.init_weights.empty()) start_from_weights(trainer, !dir.empty());
   if (t.checkpoint_dir.empty()) return;
   // Saves go to steps after `start`; a complete checkpoint there belongs to another run (or
   // to this one beyond the step resumed from), and would be overwritten or rotated away.

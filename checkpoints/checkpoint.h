@@ -77,6 +77,14 @@ SaveReport save_checkpoint(const std::string& checkpoint_dir, int64_t step, int6
 Manifest load_checkpoint(const std::string& dir, const Config& c, const ProcessGroups& groups,
                          TrainingBackend& backend);
 
+// Sets the backend's parameters (each rank its expert shard) from the interchange weights file
+// `path` (checkpoints/weights_file.h), with fresh optimizer state: --init_weights. Refuses, on
+// every rank together (AgreedError with kExitConfig), a file that cannot be read or whose model
+// differs from c.model, naming the option, the file and the first differing attribute.
+// Collective over groups.world.
+void load_initial_weights(const std::string& path, const Config& c, const ProcessGroups& groups,
+                          TrainingBackend& backend);
+
 // The parameters (fp32 master values) of the checkpoint in `dir`, in ParamLayout(model) order,
 // with their checksums verified: what moeut-export writes as an interchange file.
 struct CheckpointWeights {
@@ -86,8 +94,9 @@ struct CheckpointWeights {
 };
 CheckpointWeights read_checkpoint_weights(const std::string& dir);
 
-// Wires checkpoints into a trainer from its configuration: resumes from train.resume (every
-// refusal happens here, before any step) and saves into train.checkpoint_dir every
+// Wires checkpoints into a trainer from its configuration: resumes from train.resume, or starts
+// from train.init_weights when no checkpoint was resumed (every refusal happens here, before
+// any step) and saves into train.checkpoint_dir every
 // checkpoint_every steps and after the last step. Rank 0 logs what it loads and saves.
 // Collective over the trainer's world group.
 void setup_checkpoints(Trainer& trainer);

@@ -84,6 +84,9 @@ po::options_description train_options(TrainConfig& t) {
       ("resume", po::value(&t.resume),
        "continue from a checkpoint: a step_<N> directory, latest (the newest in checkpoint_dir), or auto (the newest, "
        "or a fresh start when there is none)")
+      ("init_weights", po::value(&t.init_weights),
+       "start from this interchange weights file (moeut-export, moeut-torch to-h5) with fresh optimizer state; with "
+       "--resume auto, a checkpoint found in checkpoint_dir wins")
       ("discard_newer_checkpoints", po::bool_switch(&t.discard_newer_checkpoints),
        "with --resume of an older step_<N>: delete the checkpoints of checkpoint_dir beyond it (else refused)")
       ("time_limit", po::value(&t.time_limit)->default_value(t.time_limit),
@@ -157,6 +160,11 @@ void validate(const ModelConfig& m) {
   if (m.n_layers % m.group_size != 0)
     fail("n_layers", "must be divisible by group_size (" + std::to_string(m.n_layers) + " % " +
                          std::to_string(m.group_size) + " != 0)");
+  // With one expert the official constructor builds another attention (dense v [H·dh, d] and o
+  // [d, H·dh], no sel_v, a sigmoid output gate, no value routing), which this project does not.
+  if (m.att_n_experts == 1)
+    fail("att_n_experts", "must be at least 2: with one attention expert the official MoEUTLM builds a dense "
+                          "attention with a sigmoid output gate (no sel_v), which this project does not implement");
   if (m.att_k > m.att_n_experts)
     fail("att_k", "must not exceed att_n_experts (" + std::to_string(m.att_k) + " > " + std::to_string(m.att_n_experts) + ")");
   if (m.ff_k > m.ff_n_experts)
@@ -209,6 +217,10 @@ void validate(const Config& c) {
     fail(t.checkpoint_every > 0 ? "checkpoint_every" : "keep_checkpoints", "needs checkpoint_dir");
   if ((t.resume == "latest" || t.resume == "auto") && t.checkpoint_dir.empty())
     fail("resume", t.resume + " needs checkpoint_dir");
+  if (!t.init_weights.empty() && !t.resume.empty() && t.resume != "auto")
+    fail("init_weights", "cannot go with --resume " + shown(t.resume) +
+                             ": the checkpoint holds the weights (--resume auto starts from init_weights while "
+                             "checkpoint_dir has no checkpoint, and resumes once it has)");
   require_range("time_limit", t.time_limit, 0, INFINITY, "must be finite and >= 0 (0: no limit)");
   require_range("hang_timeout", t.hang_timeout, 0, INFINITY, "must be finite and >= 0 (0: off)");
 }

@@ -74,6 +74,9 @@ struct TrainConfig {
   // A step_<N> directory; "latest", the newest in checkpoint_dir; or "auto", the newest there
   // or a fresh start when there is none (what a requeued job passes every time).
   std::string resume;
+  // An interchange weights file (checkpoints/weights_file.h) the run starts from instead of a
+  // fresh initialisation, with fresh optimizer state. A checkpoint that --resume auto finds wins.
+  std::string init_weights;
   // Resuming a step_<N> older than the newest in checkpoint_dir deletes the newer ones (a corrupt
   // newest checkpoint otherwise blocks continuing from the one before it); false: refused.
   bool discard_newer_checkpoints = false;

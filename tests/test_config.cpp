@@ -76,6 +76,7 @@ TEST(ConfigValidation, RefusesEachBrokenRuleNamingOptionAndRule) {
       {{"--ff_k", "33"}, "ff_k", "must not exceed ff_n_experts"},
       {{"--att_k", "5"}, "att_k", "must not exceed att_n_experts"},
       {{"--d_head", "3"}, "d_head", "RoPE"},
+      {{"--att_n_experts", "1", "--att_k", "1"}, "att_n_experts", "official MoEUTLM builds a dense attention"},
       {{"--d_model", "-1"}, "d_model", "positive"},
       {{"--n_tokens", "0"}, "n_tokens", "positive"},
       {{"--ff_expert_size", "0"}, "ff_expert_size", "positive"},
@@ -99,6 +100,7 @@ TEST(ConfigValidation, RefusesEachBrokenRuleNamingOptionAndRule) {
       {{"--checkpoint_every", "10"}, "checkpoint_every", "needs checkpoint_dir"},
       {{"--keep_checkpoints", "3"}, "keep_checkpoints", "needs checkpoint_dir"},
       {{"--resume", "latest"}, "resume", "latest needs checkpoint_dir"},
+      {{"--init_weights", "w.h5", "--resume", "runs/c/step_00000010"}, "init_weights", "the checkpoint holds the weights"},
   };
   for (const Case& c : cases) {
     const std::string err = parse_error(c.args);
@@ -112,6 +114,8 @@ TEST(ConfigValidation, AcceptsCheckpointOptions) {
                          "latest"}),
             "");
   EXPECT_EQ(parse_error({"--resume", "runs/c/step_00000010"}), "");  // a directory needs no checkpoint_dir
+  // A requeued job passes both every time: the weights file until a checkpoint exists.
+  EXPECT_EQ(parse_error({"--checkpoint_dir", "c", "--resume", "auto", "--init_weights", "w.h5"}), "");
 }
 
 TEST(ConfigValidation, RequiresTheDataFiles) {
