@@ -407,6 +407,18 @@ double Model<T>::forward_ce_sum(const int32_t* tokens, int64_t B) {
                        cfg_.n_tokens, T(0), s_.logits);
 }
 
+template <typename T>
+std::vector<T> Model<T>::logits(const int32_t* tokens, int64_t B) {
+  forward(tokens, B);
+  const int64_t n = B * cfg_.context, V = cfg_.n_tokens;
+  std::vector<T> out(size_t(n * V));
+  const T* bias = param("lm_head.bias");
+  for (int64_t r = 0; r < n; ++r) std::copy_n(bias, V, out.data() + r * V);
+  gemm(false, true, n, V, cfg_.d_model, T(1), xf_.data(), cfg_.d_model, param("lm_head.weight"), cfg_.d_model, T(1),
+       out.data(), V);
+  return out;
+}
+
 template class Model<float>;
 template class Model<double>;
 

@@ -71,6 +71,8 @@ class Model {
 
   // Sum of the cross-entropy over the B * context predictions (no regularisers, no gradients).
   double forward_ce_sum(const int32_t* tokens, int64_t B);
+  // The logits [B * context, n_tokens] of the B windows' inputs (no gradients).
+  std::vector<T> logits(const int32_t* tokens, int64_t B);
 
   // Expert-load counting (core/expert_load.h) in forward_backward, off until switched on; the
   // routers' choices since the last take (ExpertLoadLayout's counts, then routing-weight sums),

@@ -3,7 +3,7 @@
 set -euo pipefail
 packages=(cmake g++ make pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools zlib1g-dev
           libboost-program-options-dev libgtest-dev sentencepiece libsentencepiece-dev ninja-build
-          ca-certificates curl python3 python3-matplotlib)
+          ca-certificates curl python3 python3-matplotlib python3-numpy python3-h5py)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
