@@ -18,7 +18,8 @@ namespace {
 
 // The logits of the file's first window as a NumPy .npy file: little-endian float32
 // [context, n_tokens] (what launch/dev/torch-check.sh compares with the official model's).
-void dump_logits(const std::string& path, moeut::Model<float>& model, const moeut::TokenFile& data, int64_t context) {
+void dump_logits(const std::string& path, moeut::Model<float>& model, const moeut::TokenFiles& data,
+                 int64_t context) {
   std::vector<int32_t> window(size_t(context + 1));
   data.read(0, window);
   const std::vector<float> logits = model.logits(window.data(), 1);
