@@ -299,11 +299,17 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
 }
 
 void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
+  // The dispatcher counts its bytes on the host as it queues an exchange, so a replay, which
+  // queues nothing, adds what its captured pass sent.
+  const int64_t sent_before = dispatcher_->bytes_sent();
   graphs_.run(
       {.pass = pass, .B = B, .weight = weight, .profiled = profiler_.on(), .written_before = expert_grads_written_},
       stream_, [&] { enqueue(B, weight, pass); },
       [&] {
-        PassState state{.written = expert_grads_written_, .mark_parts = profiler_.parts(), .experts = {}};
+        PassState state{.written = expert_grads_written_,
+                        .mark_parts = profiler_.parts(),
+                        .experts = {},
+                        .dispatch_bytes = dispatcher_->bytes_sent() - sent_before};
         for (const GpuLayerActivations& L : act_->layers) state.experts.push_back(L.experts);
         return state;
       },
@@ -311,6 +317,7 @@ void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
         expert_grads_written_ = after.written;
         profiler_.set_parts(after.mark_parts);
         for (size_t l = 0; l < act_->layers.size(); ++l) act_->layers[l].experts = after.experts[l];
+        if (dispatcher_->bytes_sent() == sent_before) replayed_dispatch_bytes_ += after.dispatch_bytes;
       });
 }
 

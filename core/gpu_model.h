@@ -79,7 +79,8 @@ class GpuModel {
   bool graphs() const { return graphs_on_ && !dispatcher_->host_synchronous(); }
   // How many kinds of pass are captured (replayed on their next sight).
   int64_t captured_passes() const { return graphs_.captured(); }
-  int64_t dispatch_bytes() const { return dispatcher_->bytes_sent(); }  // sent to other ranks
+  // Sent to other ranks (replayed passes included).
+  int64_t dispatch_bytes() const { return dispatcher_->bytes_sent() + replayed_dispatch_bytes_; }
   // Token rows the FFN experts here were given in training passes (their own and received).
   int64_t expert_rows_received() const { return rows_received_; }
   // Expert-load counting (core/expert_load.h) in training passes, on the device beside each
@@ -185,7 +186,7 @@ class GpuModel {
   // batch, its weight, whether it is profiled, and which physical layers' expert gradients are
   // written (which decides whether their first weight gradient writes or adds). A replay leaves
   // that state, the parts of its marks, and the rows each layer's dispatch gave the experts (which
-  // run() counts) as the captured pass did.
+  // run() counts) as the captured pass did, and counts the bytes it sent.
   struct PassKey {
     Pass pass;
     int64_t B;
@@ -198,6 +199,7 @@ class GpuModel {
     std::vector<char> written;
     std::vector<Part> mark_parts;
     std::vector<GpuTokenDispatcher::Rows> experts;  // per logical layer
+    int64_t dispatch_bytes = 0;                      // sent to other ranks
   };
 
   ModelConfig cfg_;
@@ -240,6 +242,7 @@ class GpuModel {
   cuda::ExpertLoadCounter expert_load_;
   bool counting_experts_ = false;
   int64_t rows_received_ = 0;
+  int64_t replayed_dispatch_bytes_ = 0;  // see dispatch_bytes
   struct LayerRangeNames {
     std::string forward, backward;
   };

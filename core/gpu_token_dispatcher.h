@@ -1,10 +1,12 @@
 // Expert dispatch as GpuModel's FFN layers see it, the device counterpart of TokenDispatcher
 // (token_dispatcher.h): the router picks each token's experts, the dispatcher says where the
 // experts held here read their rows and write their outputs, and brings the outputs back to the
-// tokens; the backward pass the same way for the gradients. Two implementations:
-// LocalGpuDispatcher (core/gpu_local_dispatcher.h), for a model holding every expert, lets the
-// experts read and write the tokens' own buffers; GpuAllToAllDispatcher
-// (parallel/gpu_all_to_all_dispatcher.h) exchanges rows with the ranks holding the others.
+// tokens; the backward pass the same way for the gradients. LocalGpuDispatcher
+// (core/gpu_local_dispatcher.h), for a model holding every expert, lets the experts read and
+// write the tokens' own buffers; between ranks, GpuAllToAllDispatcher
+// (parallel/gpu_all_to_all_dispatcher.h) sends each row to the ranks holding its experts, and
+// GpuAllGatherDispatcher (parallel/gpu_all_gather_dispatcher.h) gives every rank of the group
+// every row, with no host round trip.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -8,6 +8,7 @@
 #include "core/gpu_model.h"
 #include "parallel/training_backend.h"
 #include "kernels/cuda_check.h"
+#include "parallel/gpu_all_gather_dispatcher.h"
 #include "parallel/gpu_all_to_all_dispatcher.h"
 #include "parallel/gpu_sharded_optimizer.h"
 #include "parallel/nccl_communicator.h"
@@ -64,11 +65,14 @@ void select_local_gpu(const ProcessGroups& groups) {
   MOEUT_CUDA_CHECK(cudaSetDevice(device));
 }
 
-// The expert-parallel group's token exchange; none for a group of one, which holds every expert
-// (GpuModel then dispatches locally).
-GpuDispatcherFactory expert_dispatcher(const ModelConfig& m, Communicator& expert_parallel) {
+// The expert-parallel group's token exchange (--dispatcher); none for a group of one, which holds
+// every expert (GpuModel then dispatches locally).
+GpuDispatcherFactory expert_dispatcher(const Config& c, Communicator& expert_parallel) {
   if (expert_parallel.size() == 1) return nullptr;
-  return [E = m.ff_n_experts, d = m.d_model, k = m.ff_k, &expert_parallel](int64_t max_tokens, cudaStream_t stream) {
+  const ModelConfig& m = c.model;
+  return [E = m.ff_n_experts, d = m.d_model, k = m.ff_k, all_gather = c.train.dispatcher == "all_gather",
+          &expert_parallel](int64_t max_tokens, cudaStream_t stream) -> std::unique_ptr<GpuTokenDispatcher> {
+    if (all_gather) return std::make_unique<GpuAllGatherDispatcher>(expert_parallel, E, max_tokens, d, k, stream);
     return std::make_unique<GpuAllToAllDispatcher>(expert_parallel, E, max_tokens, d, k, stream);
   };
 }
@@ -81,7 +85,7 @@ class GpuBackend final : public TrainingBackend {
         groups_(nccl_process_groups(host_groups, stream_.get())),
         model_(c.model, micro_,
                expert_shard(c.model.ff_n_experts, groups_.expert_parallel->size(), groups_.expert_parallel->rank()),
-               expert_dispatcher(c.model, *groups_.expert_parallel), stream_.get()) {
+               expert_dispatcher(c, *groups_.expert_parallel), stream_.get()) {
     // The spec's initialisation, drawn on the host as the CPU path draws it: each expert from
     // its own stream, so this rank's shard equals its slice of a one-process model.
     Model<float> init(c.model, model_.layout().shard());

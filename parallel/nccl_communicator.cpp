@@ -53,19 +53,26 @@ template <typename Enqueue>
 void NcclCommunicator::run(const char* op, Enqueue&& enqueue) {
   MOEUT_CUDA_CHECK(cudaEventRecord(queued_, caller_));
   MOEUT_CUDA_CHECK(cudaStreamWaitEvent(stream_, queued_, 0));
-  if (spare_.empty()) {
-    std::pair<cudaEvent_t, cudaEvent_t> pair;
-    MOEUT_CUDA_CHECK(cudaEventCreate(&pair.first));
-    MOEUT_CUDA_CHECK(cudaEventCreate(&pair.second));
-    spare_.push_back(pair);
+  // A collective captured into a CUDA graph is not timed: its events would mark the capture, not
+  // the replays.
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  MOEUT_CUDA_CHECK(cudaStreamIsCapturing(caller_, &capturing));
+  const bool timed = capturing == cudaStreamCaptureStatusNone;
+  if (timed) {
+    if (spare_.empty()) {
+      std::pair<cudaEvent_t, cudaEvent_t> pair;
+      MOEUT_CUDA_CHECK(cudaEventCreate(&pair.first));
+      MOEUT_CUDA_CHECK(cudaEventCreate(&pair.second));
+      spare_.push_back(pair);
+    }
+    timed_.push_back(spare_.back());
+    spare_.pop_back();
+    MOEUT_CUDA_CHECK(cudaEventRecord(timed_.back().first, stream_));
   }
-  timed_.push_back(spare_.back());
-  spare_.pop_back();
-  MOEUT_CUDA_CHECK(cudaEventRecord(timed_.back().first, stream_));
   check(ncclGroupStart(), op);
   enqueue();
   check(ncclGroupEnd(), op);
-  MOEUT_CUDA_CHECK(cudaEventRecord(timed_.back().second, stream_));
+  if (timed) MOEUT_CUDA_CHECK(cudaEventRecord(timed_.back().second, stream_));
   MOEUT_CUDA_CHECK(cudaEventRecord(done_, stream_));
   MOEUT_CUDA_CHECK(cudaStreamWaitEvent(caller_, done_, 0));
 }

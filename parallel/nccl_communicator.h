@@ -39,7 +39,8 @@ class NcclCommunicator final : public Communicator {
   void all_gather_v(std::span<float> data, std::span<const int64_t> counts) override;
   void all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) override;
   void all_gather_v(std::span<uint16_t> data, std::span<const int64_t> counts) override;
-  // Seconds this group's collectives ran on the device since the last call (waits for them).
+  // Seconds this group's collectives ran on the device since the last call (waits for them);
+  // collectives replayed within a CUDA graph are not counted.
   double take_seconds();
 
  private:

@@ -1,0 +1,82 @@
+// Expert dispatch among GPU ranks without a host round trip: every rank of the expert-parallel
+// group gets every token of the group (an all-gather of rows of max_tokens per rank, padded),
+// runs its experts on the selections it holds, and returns one bf16 partial sum per row to the
+// row's rank, which adds the group's partials in fp32, in rank order (its own partial in fp32).
+// With MoEUT's many selections a token (ff_k) nearly every token needs every rank of a small
+// group, so the all-to-all's routing saves few rows; here the exchange has a fixed size, needs
+// no counts on the host, and a pass through it can be captured as a CUDA graph.
+//
+// Rows: the gathered buffer holds rank r's tokens at rows [r·max_tokens, r·max_tokens + N_r);
+// rows past a rank's N_r carry no selection (index -1). Backward: output gradients are gathered
+// the same way; input gradients go back in bf16 and routing-weight gradients in fp32.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "core/gpu_token_dispatcher.h"
+#include "core/params.h"
+#include "kernels/device_buffer.h"
+#include "parallel/communicator.h"
+
+namespace moeut {
+
+class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
+ public:
+  // Tokens per call up to max_tokens, rows of width d, k selections among n_experts split over
+  // the ranks of `expert_parallel` (a device communicator) as expert_shard() splits them.
+  GpuAllGatherDispatcher(Communicator& expert_parallel, int64_t n_experts, int64_t max_tokens, int64_t d, int64_t k,
+                         cudaStream_t stream);
+
+  std::unique_ptr<Route> make_route() const override;
+  int64_t max_rows() const override { return ranks_ * max_tokens_; }
+  bool host_synchronous() const override { return false; }
+  Rows dispatch(Route& route, const Rows& tokens) override;
+  void combine(Route& route) override;
+  GradRows dispatch_grad(Route& route, const GradRows& grads) override;
+  void combine_grad(Route& route) override;
+  int64_t bytes_sent() const override { return bytes_sent_; }
+  int64_t device_bytes() const override {
+    return meta_.bytes() + rows_f32_.bytes() + dw_.bytes() + send_.bytes() + back_.bytes() + back_dw_.bytes() +
+           dy_.bytes();
+  }
+
+ private:
+  // A layer's gathered rows, kept from its forward to its backward pass.
+  struct Gathered final : Route {
+    cuda::DeviceBuffer<__nv_bfloat16> x;  // [max_rows, d]
+    cuda::DeviceBuffer<int32_t> index;    // [max_rows, k]: local expert ids, -1 where elsewhere
+    cuda::DeviceBuffer<float> weight;     // [max_rows, k]
+    int64_t tokens = 0;                   // this rank's N
+    float* out = nullptr;
+    GradRows grads{};
+    int64_t device_bytes() const override { return x.bytes() + index.bytes() + weight.bytes(); }
+  };
+  // Every rank's chunk of `width` elements a row, max_tokens rows each.
+  std::vector<int64_t> chunks(int64_t width) const;
+  // The others' chunks of `width` elements a row, this rank's own left out (it stays here).
+  std::vector<int64_t> others(int64_t width) const;
+  // rows_f32_'s partial sums of the other ranks' rows to those ranks in bf16, theirs for this
+  // rank's rows back into back_; then out[n] (and slots_out[n]) += every rank's partial in rank
+  // order, this rank's own from rows_f32_ (and dw_) in fp32.
+  void return_partials(float* out, float* slots_out, int64_t tokens);
+
+  Communicator& comm_;
+  int ranks_, rank_;
+  ExpertShard shard_;
+  int64_t max_tokens_, d_, k_;
+  cudaStream_t stream_;
+  int64_t bytes_sent_ = 0;
+  cuda::DeviceBuffer<int32_t> meta_;  // [max_rows, 2k]: global ids (-1: padding), then weights' bits
+  // The experts' side, shared by the layers (each combines before the next dispatches): their
+  // outputs or input gradients (fp32), their routing-weight gradients, the bf16 partials going
+  // back and those coming back, the gathered output gradients.
+  cuda::DeviceBuffer<float> rows_f32_, dw_, back_dw_;
+  cuda::DeviceBuffer<__nv_bfloat16> send_, back_, dy_;
+};
+
+}  // namespace moeut
