@@ -1,17 +1,22 @@
-// The GPU expert dispatcher between GPU ranks over NCCL (run under mpirun, one GPU per rank),
-// against a host computation: each receiving rank plays "experts" whose output for a row is
+// The GPU expert dispatchers between GPU ranks over NCCL (run under mpirun, one GPU per rank),
+// all-to-all and all-gather, against a host computation: each receiving rank plays "experts" whose output for a row is
 // Σ_j w_j · (global expert id + 1) · row over the slots that are its own, so the sender's
 // combined result tells whether every row went to the right ranks with the right local ids and
 // weights and came back to the right token. Uniform routing, routing skewed onto rank 0's
-// experts (the other ranks receive nothing), and a rank with no tokens; the backward pass too.
+// experts (the other ranks receive nothing from the all-to-all), and a rank with no tokens; the
+// backward pass too; and a dispatch of more tokens than planned, refused.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 
 #include "gpu_test.h"
 #include "mpi/mpi_test.h"
 #include "core/params.h"
+#include "parallel/gpu_all_gather_dispatcher.h"
 #include "parallel/gpu_all_to_all_dispatcher.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/nccl_communicator.h"
@@ -23,6 +28,20 @@ using namespace gpu_test;
 using cuda::DeviceBuffer;
 
 enum class Routing { kUniform, kSkewed, kRankOneEmpty };
+
+// The dispatcher under test and its bound on the combined results' relative error: the
+// all-gather one returns partial sums in bf16 (2^-9 of a partial), the all-to-all one in fp32.
+struct Exchange {
+  bool all_gather;
+  double bound;
+};
+constexpr Exchange kAllToAll{.all_gather = false, .bound = 1e-6}, kAllGather{.all_gather = true, .bound = 4e-3};
+
+std::unique_ptr<GpuTokenDispatcher> make_dispatcher(Exchange x, Communicator& group, int64_t E, int64_t max_tokens,
+                                                    int64_t d, int64_t k, cudaStream_t stream) {
+  if (x.all_gather) return std::make_unique<GpuAllGatherDispatcher>(group, E, max_tokens, d, k, stream);
+  return std::make_unique<GpuAllToAllDispatcher>(group, E, max_tokens, d, k, stream);
+}
 
 int devices() {
   int n = 0;
@@ -37,7 +56,8 @@ struct Played {
 };
 Played play_experts(int64_t rows, int64_t d, int64_t k, const std::vector<int32_t>& experts,
                     const std::vector<float>& weight, const std::vector<float>& x, const std::vector<float>& dy) {
-  Played p{std::vector<float>(x.size(), 0.f), std::vector<float>(x.size(), 0.f), std::vector<float>(weight.size(), 0.f)};
+  Played p{std::vector<float>(x.size(), 0.f), std::vector<float>(x.size(), 0.f),
+           std::vector<float>(weight.size(), 0.f)};
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t j = 0; j < k; ++j) {
       if (experts[m * k + j] < 0) continue;
@@ -69,7 +89,7 @@ void upload(float* p, const std::vector<float>& v, cudaStream_t stream) {
   MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
-void check_dispatch(Routing routing) {
+void check_dispatch(Routing routing, Exchange exchange) {
   if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
   const int ranks = world_size(), me = world_rank();
@@ -80,7 +100,9 @@ void check_dispatch(Routing routing) {
   MOEUT_CUDA_CHECK(cudaStreamCreate(&stream));
   {
     const NcclProcessGroups device = nccl_process_groups(host, stream);
-    GpuAllToAllDispatcher dispatcher(*device.expert_parallel, E, 64, d, k, stream);
+    const std::unique_ptr<GpuTokenDispatcher> made =
+        make_dispatcher(exchange, *device.expert_parallel, E, 64, d, k, stream);
+    GpuTokenDispatcher& dispatcher = *made;
     const ExpertShard shard0 = expert_shard(E, ranks, 0), mine = expert_shard(E, ranks, me);
     Rng rng(uint64_t(17 + me));
     std::vector<int32_t> index(size_t(N * k));
@@ -102,7 +124,7 @@ void check_dispatch(Routing routing) {
     const GpuTokenDispatcher::Rows rows = dispatcher.dispatch(
         *route, {.x = gx.get(), .index = gindex.get(), .weight = gweight.get(), .rows = N, .out = out.get()});
     const int64_t received = rows.rows;
-    if (routing == Routing::kSkewed && me != 0) {
+    if (routing == Routing::kSkewed && me != 0 && !exchange.all_gather) {
       EXPECT_EQ(received, 0) << "rank " << me << " holds none of the chosen experts";
     }
     const auto rx = to_float(download(rows.x, received * d, stream));
@@ -135,17 +157,55 @@ void check_dispatch(Routing routing) {
 
     const Played want = play_experts(N, d, k, index, weight, x, dy);
     if (N > 0) {
-      EXPECT_LE(rel_error(out.download(), want.y), 1e-6) << "rank " << me << ": combined outputs";
-      EXPECT_LE(rel_error(dx.download(), want.dx), 1e-6) << "rank " << me << ": input gradients";
+      EXPECT_LE(rel_error(out.download(), want.y), exchange.bound) << "rank " << me << ": combined outputs";
+      EXPECT_LE(rel_error(dx.download(), want.dx), exchange.bound) << "rank " << me << ": input gradients";
       EXPECT_LE(rel_error(dw.download(), want.dw), 1e-6) << "rank " << me << ": routing-weight gradients";
     }
   }
   MOEUT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-TEST(GpuDispatch, UniformRouting) { check_dispatch(Routing::kUniform); }
-TEST(GpuDispatch, EveryTokenToRankZerosExperts) { check_dispatch(Routing::kSkewed); }
-TEST(GpuDispatch, ARankWithNoTokensStillTakesPart) { check_dispatch(Routing::kRankOneEmpty); }
+TEST(GpuDispatch, UniformRouting) { check_dispatch(Routing::kUniform, kAllToAll); }
+TEST(GpuDispatch, EveryTokenToRankZerosExperts) { check_dispatch(Routing::kSkewed, kAllToAll); }
+TEST(GpuDispatch, ARankWithNoTokensStillTakesPart) { check_dispatch(Routing::kRankOneEmpty, kAllToAll); }
+TEST(GpuDispatch, AllGatherUniformRouting) { check_dispatch(Routing::kUniform, kAllGather); }
+TEST(GpuDispatch, AllGatherEveryTokenToRankZerosExperts) { check_dispatch(Routing::kSkewed, kAllGather); }
+TEST(GpuDispatch, AllGatherARankWithNoTokensStillTakesPart) { check_dispatch(Routing::kRankOneEmpty, kAllGather); }
+
+// More tokens than the dispatcher was planned for: refused before anything is exchanged, on
+// every rank alike (each is given too many), and the dispatcher still works after.
+TEST(GpuDispatch, MoreTokensThanPlannedAreRefused) {
+  if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
+  const ProcessGroups host = mpi_process_groups(MPI_COMM_WORLD, world_size());
+  cudaStream_t stream;
+  MOEUT_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    const NcclProcessGroups device = nccl_process_groups(host, stream);
+    for (Exchange x : {kAllToAll, kAllGather}) {
+      const std::unique_ptr<GpuTokenDispatcher> dispatcher =
+          make_dispatcher(x, *device.expert_parallel, 7, 8, 16, 3, stream);
+      const std::unique_ptr<GpuTokenDispatcher::Route> route = dispatcher->make_route();
+      const DeviceBuffer<bf16> rows(size_t(9 * 16));
+      const DeviceBuffer<int32_t> index(std::vector<int32_t>(9 * 3, 0));
+      const DeviceBuffer<float> weight(size_t(9 * 3)), out(size_t(9 * 16));
+      const GpuTokenDispatcher::Rows nine{.x = rows.get(), .index = index.get(), .weight = weight.get(), .rows = 9,
+                                          .out = out.get()};
+      try {
+        dispatcher->dispatch(*route, nine);
+        ADD_FAILURE() << (x.all_gather ? "all-gather" : "all-to-all") << ": 9 tokens dispatched, 8 planned";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("9 tokens, planned for 8"), std::string::npos) << e.what();
+      }
+      GpuTokenDispatcher::Rows eight = nine;
+      eight.rows = 8;
+      EXPECT_NO_THROW(dispatcher->dispatch(*route, eight));
+      dispatcher->combine(*route);
+      MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+  }
+  MOEUT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
 
 }  // namespace
 }  // namespace moeut
