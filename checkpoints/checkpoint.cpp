@@ -493,17 +493,17 @@ void setup_checkpoints(Trainer& trainer) {
   // Saves before the last are written beside the steps that follow (the next save, or the last,
   // finishes them); the last one, and one for a stop, is whole before the run goes on.
   auto writer = std::make_shared<CheckpointWriter>(t.checkpoint_dir, t.keep_checkpoints, c, groups, trainer.backend());
-  // The hook holds the lock (rank 0) and the writer for as long as the trainer holds the hook.
-  trainer.after_step([&trainer, writer, lock, leader](int64_t step) {
+  auto report = [leader](const SaveReport& r) {
+    if (!leader) return;
+    std::printf("checkpoint step %lld -> %s | %lld files, %.2f MB | whole after %.3f s, training waited %.3f s\n",
+                (long long)r.step, r.directory.c_str(), (long long)r.files, r.bytes / 1e6, r.seconds, r.stall_seconds);
+    std::fflush(stdout);
+  };
+  // The hooks hold the lock (rank 0) and the writer for as long as the trainer holds them.
+  trainer.after_step([&trainer, writer, lock, leader, report](int64_t step) {
     const TrainConfig& t = trainer.config().train;
     const bool last = step == t.steps || trainer.stopping();
     if (!(last || (t.checkpoint_every > 0 && step % t.checkpoint_every == 0))) return;
-    auto report = [leader](const SaveReport& r) {
-      if (!leader) return;
-      std::printf("checkpoint step %lld -> %s | %lld files, %.2f MB | whole after %.3f s, training waited %.3f s\n",
-                  (long long)r.step, r.directory.c_str(), (long long)r.files, r.bytes / 1e6, r.seconds, r.stall_seconds);
-      std::fflush(stdout);
-    };
     if (const auto done = writer->start(step)) report(*done);
     if (last) {
       report(*writer->finish());
@@ -512,6 +512,11 @@ void setup_checkpoints(Trainer& trainer) {
                   writer->copy_seconds());
       std::fflush(stdout);
     }
+  });
+  // A run stopped by a non-finite value or bad data keeps the save of an earlier step that was
+  // being written beside it: it is finished, whole, before the run ends.
+  trainer.on_agreed_stop([writer, lock, report] {
+    if (const auto done = writer->finish()) report(*done);
   });
 }
 

@@ -164,6 +164,15 @@ double Trainer::validation_loss(int64_t max_windows) {
 }
 
 double Trainer::run() {
+  try {
+    return train();
+  } catch (const AgreedError&) {
+    if (agreed_stop_) agreed_stop_();
+    throw;
+  }
+}
+
+double Trainer::train() {
   const TrainConfig& t = cfg_.train;
   const int64_t T = cfg_.model.context, micro = t.micro_batch_size;
   const ExpertShard& shard = backend_->layout().shard();

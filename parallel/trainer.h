@@ -76,8 +76,13 @@ class Trainer {
   // Called on every rank after each step (its update and any validation report) with the
   // number of steps done.
   void after_step(std::function<void(int64_t steps_done)> hook) { after_step_ = std::move(hook); }
+  // Called on every rank when run() ends with an error the ranks agreed on (AgreedError: a
+  // value that is not finite, bad data), before it leaves run(): every rank is there, so the
+  // hook may make collectives (the checkpoint writer finishes the save written beside training).
+  void on_agreed_stop(std::function<void()> hook) { agreed_stop_ = std::move(hook); }
 
  private:
+  double train();  // run() without its on_agreed_stop hook
   // A quantity's largest value and mean over the ranks.
   struct Spread {
     double max = 0, mean = 0;
@@ -148,6 +153,7 @@ class Trainer {
   bool residual_warned_ = false;
   bool stopping_ = false;
   std::function<void(int64_t)> after_step_;
+  std::function<void()> agreed_stop_;
 };
 
 }  // namespace moeut

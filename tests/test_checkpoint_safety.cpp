@@ -19,6 +19,7 @@
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/shard_file.h"
 #include "core/write_error.h"
+#include "parallel/run_errors.h"
 #include "small_config.h"
 
 namespace fs = std::filesystem;
@@ -116,6 +117,26 @@ TEST(SaveFailure, AFullDiskEndsCleanlyNamingTheFileAndReasonAndKeepsTheCheckpoin
   EXPECT_FALSE(fs::exists(step_directory(c.train.checkpoint_dir, 4)));
   EXPECT_EQ(latest_checkpoint(c.train.checkpoint_dir), step_directory(c.train.checkpoint_dir, 2));
   EXPECT_NO_THROW(read_checkpoint_weights(step_directory(c.train.checkpoint_dir, 2)));
+  EXPECT_FALSE(fs::exists(work / "ckpt" / CheckpointLock::file_name())) << "the lock outlived the run";
+}
+
+// A run that stops at a value that is not finite while an earlier step's save is being written
+// beside it finishes that save: the checkpoint is whole, not left as a hidden .tmp directory.
+TEST(SaveFailure, ANonFiniteStopFinishesTheSaveWrittenBesideIt) {
+  const fs::path work = fresh_dir("nonfinite");
+  Config c = small_run(work);
+  c.train.checkpoint_every = 1;  // step 1's save is written beside step 2
+  c.train.lr = 3e37;  // step 1 moves the parameters to about 1e37 (finite), and step 2's products overflow
+  try {
+    train(c);
+    ADD_FAILURE() << "trained through a value that is not finite";
+  } catch (const AgreedError& e) {
+    EXPECT_EQ(e.status, kExitNonFinite);
+    EXPECT_HAS(e.what(), "step 2");
+  }
+  EXPECT_FALSE(fs::exists(work / "ckpt" / ".step_00000001.tmp")) << "the save beside step 2 was left unfinished";
+  EXPECT_EQ(latest_checkpoint(c.train.checkpoint_dir), step_directory(c.train.checkpoint_dir, 1));
+  EXPECT_NO_THROW(read_checkpoint_weights(step_directory(c.train.checkpoint_dir, 1)));
   EXPECT_FALSE(fs::exists(work / "ckpt" / CheckpointLock::file_name())) << "the lock outlived the run";
 }
 
