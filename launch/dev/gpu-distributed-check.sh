@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a host with two GPUs: trains a profile on one GPU and on two GPU ranks (np 2 for each ep
 # given), with the same seed and global batch, and compares the losses step by step. Binaries
-# from launch/dev/build-gpu.sh, data from launch/fetch-brown.sh (data/brown). Logs under $OUT.
+# from launch/dev/build-gpu.sh, data from launch/fetch-brown.sh (data/brown). Logs under $OUT;
+# DISPATCHER=all_gather exchanges tokens through the all-gather dispatcher (default all_to_all).
 #   launch/dev/gpu-distributed-check.sh [config] [steps] [global batch] [ep...]
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -18,7 +19,8 @@ mkdir -p "$out"
 show_source "$root/build-gpu"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 common=(--config "$config" --train_data "$root/data/brown/train.bin" --val_data "$root/data/brown/val.bin"
-        --steps "$steps" --batch_size "$batch" --warmup_steps 100 --eval_every 0 --device cuda)
+        --steps "$steps" --batch_size "$batch" --warmup_steps 100 --eval_every 0 --device cuda
+        --dispatcher "${DISPATCHER:-all_to_all}")
 run() {  # run NAME NP EP MICRO
   local name=$1 np=$2 ep=$3 micro=$4
   echo "== $name: np $np, ep $ep, micro-batch $micro"
