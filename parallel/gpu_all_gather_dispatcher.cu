@@ -38,18 +38,31 @@ __global__ void unpack_routing(int32_t* index, float* weight, const int32_t* met
 
 // One block per token n of this rank: out[n] += Σ_r partial_r[n] in rank order, rank `rank`'s
 // own from `own` (fp32, its rows at rank·max_tokens) and the others' from `back` (bf16, rank r's
-// at r·max_tokens); likewise slots_out[n] += Σ_r slot partials when slots_out is given.
+// at r·max_tokens), four columns a thread (d a multiple of 4); likewise slots_out[n] += Σ_r slot
+// partials when slots_out is given.
 __global__ void add_partials(float* out, float* slots_out, const bf16* back, const float* own,
                              const float* back_slots, const float* own_slots, int max_tokens, int d, int k, int ranks,
                              int rank) {
   const int64_t n = blockIdx.x;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) {
-    float acc = out[n * d + c];
+  for (int c = threadIdx.x * 4; c < d; c += blockDim.x * 4) {
+    float4 acc = *reinterpret_cast<const float4*>(out + n * d + c);
     for (int r = 0; r < ranks; ++r) {
-      const int64_t row = int64_t(r) * max_tokens + n;
-      acc += r == rank ? own[row * d + c] : __bfloat162float(back[row * d + c]);
+      const int64_t at = (int64_t(r) * max_tokens + n) * d + c;
+      float4 v;
+      if (r == rank) {
+        v = *reinterpret_cast<const float4*>(own + at);
+      } else {
+        const uint2 raw = *reinterpret_cast<const uint2*>(back + at);
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+        v = make_float4(lo.x, lo.y, hi.x, hi.y);
+      }
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
     }
-    out[n * d + c] = acc;
+    *reinterpret_cast<float4*>(out + n * d + c) = acc;
   }
   if (!slots_out) return;
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
@@ -88,7 +101,9 @@ GpuAllGatherDispatcher::GpuAllGatherDispatcher(Communicator& expert_parallel, in
       back_dw_(size_t(max_rows() * k)),
       send_(size_t(max_rows() * d)),
       back_(size_t(max_rows() * d)),
-      dy_(size_t(max_rows() * d)) {}
+      dy_(size_t(max_rows() * d)) {
+  if (d % 4 != 0) throw std::invalid_argument("GpuAllGatherDispatcher: d_model must be a multiple of 4");
+}
 
 std::unique_ptr<GpuTokenDispatcher::Route> GpuAllGatherDispatcher::make_route() const {
   auto r = std::make_unique<Gathered>();
@@ -126,8 +141,10 @@ GpuTokenDispatcher::Rows GpuAllGatherDispatcher::dispatch(Route& made, const Row
 }
 
 void GpuAllGatherDispatcher::return_partials(float* out, float* slots_out, int64_t tokens) {
-  const int64_t M = max_rows();
-  cuda::to_bf16(send_.get(), rows_f32_.get(), M * d_, stream_);
+  // Only the other ranks' rows travel; this rank's own partials are added from rows_f32_.
+  const int64_t mine = rank_ * max_tokens_ * d_, after = mine + max_tokens_ * d_;
+  cuda::to_bf16(send_.get(), rows_f32_.get(), mine, stream_);
+  cuda::to_bf16(send_.get() + after, rows_f32_.get() + after, max_rows() * d_ - after, stream_);
   comm_.all_to_all_v(bits(send_.get()), chunks(d_), bits(back_.get()), chunks(d_));
   bytes_sent_ += (ranks_ - 1) * max_tokens_ * d_ * int64_t(sizeof(bf16));
   if (slots_out) {
