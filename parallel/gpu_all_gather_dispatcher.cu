@@ -140,14 +140,14 @@ GpuTokenDispatcher::Rows GpuAllGatherDispatcher::dispatch(Route& made, const Row
           .out = rows_f32_.get()};
 }
 
-void GpuAllGatherDispatcher::return_partials(float* out, float* slots_out, int64_t tokens) {
+void GpuAllGatherDispatcher::return_partials(float* out, float* slots_out, int64_t tokens, bool backward) {
   // Only the other ranks' rows travel; this rank's own partials are added from rows_f32_.
   const int64_t mine = rank_ * max_tokens_ * d_, after = mine + max_tokens_ * d_;
   cuda::to_bf16(send_.get(), rows_f32_.get(), mine, stream_);
   cuda::to_bf16(send_.get() + after, rows_f32_.get() + after, max_rows() * d_ - after, stream_);
   comm_.all_to_all_v(bits(send_.get()), chunks(d_), bits(back_.get()), chunks(d_));
   bytes_sent_ += (ranks_ - 1) * max_tokens_ * d_ * int64_t(sizeof(bf16));
-  if (slots_out) {
+  if (backward) {
     comm_.all_to_all_v(dw_.get(), chunks(k_), back_dw_.get(), chunks(k_));
     bytes_sent_ += (ranks_ - 1) * max_tokens_ * k_ * int64_t(sizeof(float));
   }
@@ -159,7 +159,7 @@ void GpuAllGatherDispatcher::return_partials(float* out, float* slots_out, int64
 
 void GpuAllGatherDispatcher::combine(Route& made) {
   const Gathered& route = static_cast<const Gathered&>(made);
-  return_partials(route.out, nullptr, route.tokens);
+  return_partials(route.out, nullptr, route.tokens, false);
 }
 
 GpuTokenDispatcher::GradRows GpuAllGatherDispatcher::dispatch_grad(Route& made, const GradRows& grads) {
@@ -176,7 +176,7 @@ GpuTokenDispatcher::GradRows GpuAllGatherDispatcher::dispatch_grad(Route& made, 
 
 void GpuAllGatherDispatcher::combine_grad(Route& made) {
   const Gathered& route = static_cast<const Gathered&>(made);
-  return_partials(route.grads.dx, route.grads.dw, route.tokens);
+  return_partials(route.grads.dx, route.grads.dw, route.tokens, true);
 }
 
 }  // namespace moeut

@@ -58,12 +58,12 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   };
   // Every rank's chunk of `width` elements a row, max_tokens rows each.
   std::vector<int64_t> chunks(int64_t width) const;
-  // The others' chunks of `width` elements a row, this rank's own left out (it stays here).
-  std::vector<int64_t> others(int64_t width) const;
   // rows_f32_'s partial sums of the other ranks' rows to those ranks in bf16, theirs for this
-  // rank's rows back into back_; then out[n] (and slots_out[n]) += every rank's partial in rank
-  // order, this rank's own from rows_f32_ (and dw_) in fp32.
-  void return_partials(float* out, float* slots_out, int64_t tokens);
+  // rank's rows back into back_; then out[n] += every rank's partial in rank order, this rank's
+  // own from rows_f32_ in fp32. Backward, dw_'s routing-weight gradients travel too (fp32) and
+  // are added into slots_out (which may be null on a rank without tokens: every rank of the group
+  // makes the same collectives whatever its tokens).
+  void return_partials(float* out, float* slots_out, int64_t tokens, bool backward);
 
   Communicator& comm_;
   int ranks_, rank_;
