@@ -5,8 +5,11 @@
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
+#include "checkpoints/checkpoint.h"
 #include "core/config.h"
+#include "parallel/trainer.h"
 #include "token_stream.h"
 
 namespace moeut::test {
@@ -70,6 +73,20 @@ inline Config checkpoint_run(const std::filesystem::path& work, int64_t steps) {
                                       .train_data = (work / "train.bin").string(),
                                       .val_data = (work / "val.bin").string(),
                                       .metrics = (work / "metrics.jsonl").string()});
+}
+
+// A run of c in this process with its checkpoints (setup_checkpoints: resume, saves): the total
+// loss of every step it trained, and its parameters at the end.
+struct TrainedRun {
+  std::vector<double> losses;
+  std::vector<float> params;
+};
+inline TrainedRun train_with_checkpoints(const Config& c) {
+  const ProcessGroups g = ProcessGroups::single();
+  Trainer trainer(c, g);
+  setup_checkpoints(trainer);
+  trainer.run();
+  return {trainer.losses(), trainer.full_parameters()};
 }
 
 // An empty directory under the tests' temporary directory; `name` its own to the test (ctest

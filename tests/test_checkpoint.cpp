@@ -37,18 +37,8 @@ Config small_run(const std::string& tag) {
                           .metrics = temp("metrics_" + tag + ".jsonl").string()});
 }
 
-struct Outcome {
-  std::vector<double> losses;
-  std::vector<float> params;
-};
-
-Outcome train(const Config& c) {
-  const ProcessGroups g = ProcessGroups::single();
-  Trainer trainer(c, g);
-  setup_checkpoints(trainer);
-  trainer.run();
-  return {trainer.losses(), trainer.full_parameters()};
-}
+using Outcome = test::TrainedRun;
+constexpr auto train = &test::train_with_checkpoints;
 
 // A 6-step run saved at steps 3 and 6 into a directory of its own.
 Config saved_run(const std::string& name) {

@@ -37,13 +37,8 @@ Config small_run(const fs::path& work) {
   return c;
 }
 
-std::vector<float> train(const Config& c) {
-  const ProcessGroups g = ProcessGroups::single();
-  Trainer trainer(c, g);
-  setup_checkpoints(trainer);
-  trainer.run();
-  return trainer.full_parameters();
-}
+// The parameters at the end of a run of c with its checkpoints.
+std::vector<float> train(const Config& c) { return test::train_with_checkpoints(c).params; }
 
 template <class Error>
 std::string refusal(const std::function<void()>& f) {

@@ -101,13 +101,8 @@ fs::path work_dir(const std::string& name) { return test::fresh_test_dir("moeut_
 
 Config small_run(const fs::path& work) { return test::checkpoint_run(work, 4); }
 
-std::vector<float> train(const Config& c) {
-  const ProcessGroups g = ProcessGroups::single();
-  Trainer trainer(c, g);
-  setup_checkpoints(trainer);
-  trainer.run();
-  return trainer.full_parameters();
-}
+// The parameters at the end of a run of c with its checkpoints.
+std::vector<float> train(const Config& c) { return test::train_with_checkpoints(c).params; }
 
 TEST(Corruption, CheckpointFilesAreRefusedOrResumeIdentically) {
   const fs::path work = work_dir("checkpoint");
