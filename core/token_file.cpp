@@ -26,10 +26,8 @@ constexpr size_t kHeaderBytes = 32;
 
 std::string errno_text() { return std::strerror(errno); }
 
-// The format is little-endian on disk whatever the host is, so bytes are assembled explicitly.
-uint32_t load_le32(const unsigned char* p) {
-  return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
-}
+// The format is little-endian on disk whatever the host is, so bytes are assembled explicitly
+// (load_le16 and load_le32 in the header).
 uint64_t load_le64(const unsigned char* p) { return load_le32(p) | uint64_t(load_le32(p + 4)) << 32; }
 void store_le32(unsigned char* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
@@ -151,7 +149,7 @@ uint32_t TokenFile::at(uint64_t i) const {
   if (i >= count_)
     fail(path_, "token index out of range: " + std::to_string(i) + " >= " + std::to_string(count_) + " tokens");
   const unsigned char* p = tokens_ + i * token_bytes_;
-  return token_bytes_ == 2 ? uint32_t(p[0]) | uint32_t(p[1]) << 8 : load_le32(p);
+  return token_bytes_ == 2 ? load_le16(p) : load_le32(p);
 }
 
 void TokenFile::out_of_vocabulary(uint64_t i, uint32_t token) const {
@@ -169,7 +167,7 @@ void TokenFile::read(uint64_t begin, std::span<int32_t> out) const {
   uint32_t largest = 0;
   if (token_bytes_ == 2) {
     for (size_t k = 0; k < out.size(); ++k, p += 2) {
-      const uint32_t t = uint32_t(p[0]) | uint32_t(p[1]) << 8;
+      const uint32_t t = load_le16(p);
       largest = std::max(largest, t);
       out[k] = static_cast<int32_t>(t);
     }

@@ -9,6 +9,11 @@
 
 namespace moeut {
 
+// Little-endian integers from bytes whatever the host is: the token files' format, and the
+// formats imported into it (launch/llmc_import.cpp).
+inline uint32_t load_le16(const unsigned char* p) { return uint32_t(p[0]) | uint32_t(p[1]) << 8; }
+inline uint32_t load_le32(const unsigned char* p) { return load_le16(p) | load_le16(p + 2) << 16; }
+
 // Thrown for a missing, truncated or malformed token file; what() names the file and the problem.
 struct DataError : std::runtime_error {
   using std::runtime_error::runtime_error;

@@ -14,10 +14,6 @@ namespace {
 constexpr uint32_t kLlmcMagic = 20240520;
 constexpr uint64_t kLlmcHeaderBytes = 256 * 4;
 
-uint32_t load_le32(const unsigned char* p) {
-  return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
-}
-
 // Where the tokens of one input start and how many there are.
 struct Layout {
   uint64_t header_bytes;
@@ -60,7 +56,7 @@ void copy_tokens(const std::string& path, std::ifstream& in, const Layout& layou
     if (!in.read(reinterpret_cast<char*>(bytes.data()), std::streamsize(2 * n)))
       throw DataError(path + ": read error at token " + std::to_string(first));
     for (size_t k = 0; k < n; ++k) {
-      tokens[k] = uint32_t(bytes[2 * k]) | uint32_t(bytes[2 * k + 1]) << 8;
+      tokens[k] = load_le16(bytes.data() + 2 * k);
       if (tokens[k] >= vocab_size)
         throw DataError(path + ": token out of vocabulary: token " + std::to_string(first + k) + " (byte offset " +
                         std::to_string(layout.header_bytes + 2 * (first + k)) + ") is " + std::to_string(tokens[k]) +
