@@ -267,7 +267,7 @@ void GpuModel::experts_forward(int64_t l) {
                   stream_);
 }
 
-LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pass) {
+LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pass, GradientSync* sync) {
   if (!(weight > 0)) throw std::invalid_argument("GpuModel: weight must be positive");
   // The regularisers average over the planned batch: losses and training need all of it.
   if (B > batch_ || (pass != Pass::kEvaluate && B != batch_))
@@ -280,8 +280,8 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
       act_->targets_host.get()[b * T + t] = tokens[b * (T + 1) + t + 1];
     }
   profiler_.clear();  // the profile is the last pass's
-  if (graphs() && pass != Pass::kEvaluate) enqueue_graphed(B, weight, pass);
-  else enqueue(B, weight, pass);
+  if (graphs() && pass != Pass::kEvaluate) enqueue_graphed(B, weight, pass, sync);
+  else enqueue(B, weight, pass, sync);
   {
     const Waiting waiting("the GPU's pass (its expert exchanges among its work)", "expert-parallel");
     MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -298,13 +298,18 @@ LossParts GpuModel::run(const int32_t* tokens, int64_t B, double weight, Pass pa
   return out;
 }
 
-void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
+void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass, GradientSync* sync) {
   // The dispatcher counts its bytes on the host as it queues an exchange, so a replay, which
   // queues nothing, adds what its captured pass sent.
   const int64_t sent_before = dispatcher_->bytes_sent();
   graphs_.run(
-      {.pass = pass, .B = B, .weight = weight, .profiled = profiler_.on(), .written_before = expert_grads_written_},
-      stream_, [&] { enqueue(B, weight, pass); },
+      {.pass = pass,
+       .B = B,
+       .weight = weight,
+       .profiled = profiler_.on(),
+       .synced = sync != nullptr,
+       .written_before = expert_grads_written_},
+      stream_, [&] { enqueue(B, weight, pass, sync); },
       [&] {
         PassState state{.written = expert_grads_written_,
                         .mark_parts = profiler_.parts(),
@@ -321,7 +326,7 @@ void GpuModel::enqueue_graphed(int64_t B, double weight, Pass pass) {
       });
 }
 
-void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
+void GpuModel::enqueue(int64_t B, double weight, Pass pass, GradientSync* sync) {
   const bool backward = pass == Pass::kTrain;
   B_ = B;
   regularised_ = pass != Pass::kEvaluate;
@@ -377,12 +382,14 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass) {
     for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
       const NvtxRange range(layer_range_names_[l].backward.c_str());
       ffn_backward(l);
+      if (sync && l < cfg_.group_size) sync->experts_final(l, grads_.get());
       attention_backward(l);
     }
     mark(Part::kOther);
     cuda::embedding_backward(param_grads_.embedding, act_->dres.get(), act_->inputs.get(), N, d, stream_);
     fold_router_grads();
     side_->join();  // the first layer's value-expert weight gradient
+    if (sync) sync->pass_end();
     pass_clock_.mark(PassClock::kEnd);
   }
   mark(Part::kCount);
@@ -430,7 +437,7 @@ void GpuModel::ffn_backward(int64_t l) {
   mark(Part::kExperts);
   experts_backward(
       l, dispatcher_->dispatch_grad(*L.route, {.dy = act_->dresb.get(), .dx = act_->dres.get(), .dw = act_->dw.get()}));
-  dispatcher_->combine_grad(*L.route);
+  dispatcher_->combine_grad(*L.route);  // beside the experts' weight gradients
   // The router: its gradient's rows padded to router_rows_ld (zeros past Ef), its weight likewise.
   const int64_t ld = router_rows_ld(Ef);
   routing_grad(reg_ffn_->gradient(g, L.z.get(), L.z_lse.get()), L.i_ff.get(), L.w_ff.get(),
@@ -438,6 +445,7 @@ void GpuModel::ffn_backward(int64_t l) {
   mark(Part::kDense);
   dense_->input_grad(act_->dzb.get(), ld, routers_[g].ffn.get(), ld, N, act_->dxn.get());
   mark(Part::kOther);
+  side_->join();  // the experts' weight gradients read dresb (the local dispatcher's dY)
   // LN2's backward also writes LN2's output again (bit for bit the forward's) into act_->xn, for the
   // router's weight gradient.
   cuda::layernorm_backward(act_->dres.get(), dP.ln2_weight, dP.ln2_bias, act_->dxn.get(), L.xhat2.get(), P.ln2_weight,
@@ -475,8 +483,9 @@ void GpuModel::experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& g
     MOEUT_CUDA_CHECK(cudaMemcpyAsync(deferred_dy, dY, size_t(in.rows * d) * sizeof(bf16), cudaMemcpyDeviceToDevice,
                                      stream_));
   // Each weight gradient runs on the side stream beside the input gradient that shares its
-  // inputs; the main stream waits for both before dhidden is written again. deferred(U): the
-  // same product's plan and arguments for the deferred use U.
+  // inputs, and on beside the exchange that returns the input gradients: the caller joins the
+  // side stream before dY or dhidden is written again. deferred(U): the same product's plan and
+  // arguments for the deferred use U.
   auto weight_grad = [&](const cuda::CvmmPlan& plan, const cuda::CvmmWeightGradArgs& a, auto deferred) {
     if (turn == WeightGradTurn::kDefer) return;
     side_->fork();
@@ -520,7 +529,6 @@ void GpuModel::experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& g
                   {.X = dhidden, .W = P.keys, .weight = nullptr, .out = nullptr, .out_f32 = dX, .dweight = nullptr,
                    .dot_rows = nullptr, .K = es, .N = d, .transpose_w = true, .accumulate = true, .out_rows = in.rows},
                   stream_);
-  side_->join();
 }
 
 void GpuModel::attention_backward(int64_t l) {

@@ -100,9 +100,22 @@ class GpuModel {
 
   // tokens (host): [batch, context + 1]. Mean losses of the batch.
   LossParts forward(const int32_t* tokens) { return run(tokens, batch_, 1.0, Pass::kLoss); }
+  // Gradient synchronisation that a training pass begins while its backward goes on:
+  // experts_final(g, grads) is called in stream order once physical layer g's FFN expert-weight
+  // gradients are final for the pass (its first use's backward done: the last layers first), and
+  // pass_end() before the pass ends, for the pass to wait for what they began. With CUDA graphs
+  // the calls are made while a pass is captured and their work replays with it.
+  class GradientSync {
+   public:
+    virtual ~GradientSync() = default;
+    virtual void experts_final(int64_t g, float* grads) = 0;  // grads: the gradient buffer, layout order
+    virtual void pass_end() = 0;
+  };
   // Also accumulates into the gradients that of weight · (mean CE + regularisers), as
-  // Model::forward_backward.
-  LossParts forward_backward(const int32_t* tokens, double weight) { return run(tokens, batch_, weight, Pass::kTrain); }
+  // Model::forward_backward; `sync`, when given, begins synchronising them (the step's last pass).
+  LossParts forward_backward(const int32_t* tokens, double weight, GradientSync* sync = nullptr) {
+    return run(tokens, batch_, weight, Pass::kTrain, sync);
+  }
   // Sum of the cross-entropy over B <= batch sequences (no regularisers, no gradients).
   double forward_ce_sum(const int32_t* tokens, int64_t B) {
     return run(tokens, B, 1.0, Pass::kEvaluate).ce * double(B * cfg_.context);
@@ -111,11 +124,11 @@ class GpuModel {
  private:
   using bf16 = __nv_bfloat16;
   enum class Pass { kEvaluate, kLoss, kTrain };
-  LossParts run(const int32_t* tokens, int64_t B, double weight, Pass pass);
+  LossParts run(const int32_t* tokens, int64_t B, double weight, Pass pass, GradientSync* sync = nullptr);
   // A pass's device work, from the staged tokens to its losses copied back into pinned memory.
-  void enqueue(int64_t B, double weight, Pass pass);
+  void enqueue(int64_t B, double weight, Pass pass, GradientSync* sync);
   // enqueue() through the graph cache (see set_graphs).
-  void enqueue_graphed(int64_t B, double weight, Pass pass);
+  void enqueue_graphed(int64_t B, double weight, Pass pass, GradientSync* sync);
   void attention_forward(int64_t l);
   void ffn_forward(int64_t l);
   void ffn_backward(int64_t l);
@@ -123,7 +136,8 @@ class GpuModel {
   // their out += the weighted expert outputs.
   void experts_forward(int64_t l);
   // Their backward from grads.dy, the gradient of their outputs: grads.dx += input gradients,
-  // grads.dw += routing-weight gradients, and the expert-weight gradients.
+  // grads.dw += routing-weight gradients, and the expert-weight gradients, these left running on
+  // the side stream (the caller joins it).
   void experts_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads);
   // The FFN expert-weight gradients of two uses of a physical layer run as one product (see
   // cuda::cvmm_weight_grad): going down, a use with an unpaired use below it defers its own,
@@ -192,6 +206,7 @@ class GpuModel {
     int64_t B;
     double weight;
     bool profiled;
+    bool synced;  // with a GradientSync (whose collectives the graph holds)
     std::vector<char> written_before;
     bool operator==(const PassKey&) const = default;
   };

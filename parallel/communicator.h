@@ -47,6 +47,14 @@ class Communicator {
   virtual void all_gather_v(std::span<float> data, std::span<const int64_t> counts) = 0;
   virtual void all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) = 0;
   virtual void all_gather_v(std::span<uint16_t> data, std::span<const int64_t> counts) = 0;  // bf16 bit patterns
+
+  // A device group's collectives are ordered after the caller's work queued before them, and the
+  // caller's later work after them. Between defer_joins() and join_deferred(), the caller's work
+  // does not wait for them (it may run beside them, and must not touch their data) until
+  // join_deferred(), after which it waits for all of them. A host group's collectives are done
+  // when the call returns: nothing to defer.
+  virtual void defer_joins() {}
+  virtual void join_deferred() {}
 };
 
 // Per-rank element counts for rows of `width` elements: counts[i] * width.

@@ -24,7 +24,7 @@ class CpuBackend final : public TrainingBackend {
   int64_t device_memory_in_use() const override { return 0; }
   const ParamLayout& layout() const override { return model_.layout(); }
   void zero_gradients() override { std::fill(model_.grads.begin(), model_.grads.end(), 0.f); }
-  LossParts forward_backward(const int32_t* tokens, int64_t B, double weight) override {
+  LossParts forward_backward(const int32_t* tokens, int64_t B, double weight, bool /*last*/) override {
     return model_.forward_backward(tokens, B, weight);
   }
   double forward_ce_sum(const int32_t* tokens, int64_t B) override { return model_.forward_ce_sum(tokens, B); }

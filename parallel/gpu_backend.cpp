@@ -3,6 +3,7 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/gpu_model.h"
@@ -114,9 +115,10 @@ class GpuBackend final : public TrainingBackend {
   }
   const ParamLayout& layout() const override { return model_.layout(); }
   void zero_gradients() override { model_.zero_gradients(); }
-  LossParts forward_backward(const int32_t* tokens, int64_t B, double weight) override {
+  LossParts forward_backward(const int32_t* tokens, int64_t B, double weight, bool last) override {
     if (B != micro_) throw std::invalid_argument("GPU backend: training batches are micro_batch_size sequences");
-    return model_.forward_backward(tokens, weight);
+    experts_reduced_ = last;
+    return model_.forward_backward(tokens, weight, last ? &sync_ : nullptr);
   }
   // A rank whose share of the validation windows has run out gets B = 0. With expert
   // parallelism it still runs a forward pass (on one sequence of whatever the buffer holds) so
@@ -129,7 +131,10 @@ class GpuBackend final : public TrainingBackend {
     }
     return 0.0;
   }
-  double step(double lr, const TrainConfig& t) override { return optimizer_->step(model_.working(), model_.grads(), lr, t); }
+  double step(double lr, const TrainConfig& t) override {
+    const bool reduced = std::exchange(experts_reduced_, false);
+    return optimizer_->step(model_.working(), model_.grads(), lr, t, reduced);
+  }
   std::vector<double> gradient_square_sums() override {
     return optimizer_->tensor_square_sums(model_.layout(), model_.grads());
   }
@@ -169,6 +174,18 @@ class GpuBackend final : public TrainingBackend {
   std::string memory_;  // see memory_plan()
   double peak_flops_ = measure_bf16_peak_tflops() * 1e12;
   std::unique_ptr<GpuShardedAdamW> optimizer_;
+  // The step's last backward pass reduces each physical layer's expert gradients as it finishes
+  // them, beside the layers it has left (GpuShardedAdamW::reduce_final_experts).
+  class ExpertGradientSync final : public GpuModel::GradientSync {
+   public:
+    explicit ExpertGradientSync(std::unique_ptr<GpuShardedAdamW>& optimizer) : optimizer_(optimizer) {}
+    void experts_final(int64_t g, float* grads) override { optimizer_->reduce_final_experts(grads, g); }
+    void pass_end() override { optimizer_->join_reduces(); }
+
+   private:
+    std::unique_ptr<GpuShardedAdamW>& optimizer_;
+  } sync_{optimizer_};
+  bool experts_reduced_ = false;  // by the last forward_backward, for step()
 };
 
 }  // namespace

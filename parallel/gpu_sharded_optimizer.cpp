@@ -35,15 +35,46 @@ GpuShardedAdamW::GpuShardedAdamW(const ParamLayout& layout, const ProcessGroups&
   MOEUT_CUDA_CHECK(cudaMemset(m_.get(), 0, m_.size() * sizeof(float)));
   MOEUT_CUDA_CHECK(cudaMemset(v_.get(), 0, v_.size() * sizeof(float)));
   MOEUT_CUDA_CHECK(cudaMemset(non_finite_.get(), 0, sizeof(float)));
+  // The expert tensors, keys and values of each physical layer in turn, fill the parameter buffer
+  // from layout.replicated() on: per physical layer, [begin, end).
+  std::vector<std::pair<int64_t, int64_t>> layer_range;
+  for (const TensorSpec& t : layout.tensors()) {
+    if (!t.expert) continue;
+    if (t.name.ends_with("ffn.keys")) layer_range.push_back({t.offset, t.offset});
+    if (!layer_range.empty()) layer_range.back().second = t.offset + t.numel;
+  }
+  for (const ZeroBucket& b : partition_.buckets()) {
+    int64_t first = -1;
+    if (b.group == ZeroGroup::kExpertDataParallel && comm(b).size() > 1)
+      for (int64_t g = 0; g < int64_t(layer_range.size()) && first < 0; ++g)
+        if (b.offset < layer_range[size_t(g)].second && layer_range[size_t(g)].first < b.offset + b.length) first = g;
+    final_after_layer_.push_back(first);
+  }
 }
 
-double GpuShardedAdamW::step(__nv_bfloat16* working, float* grads, double lr, const TrainConfig& t) {
+void GpuShardedAdamW::reduce_final_experts(float* grads, int64_t g) {
+  const std::vector<ZeroBucket>& buckets = partition_.buckets();
+  expert_data_parallel_.defer_joins();
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    const ZeroBucket& b = buckets[i];
+    if (final_after_layer_[i] != g) continue;
+    comm(b).reduce_scatter_sum(std::span<const float>(grads + b.offset, size_t(b.length)),
+                               std::span<float>(grads + b.offset + b.mine_offset, size_t(b.mine)), b.chunks);
+  }
+}
+
+void GpuShardedAdamW::join_reduces() { expert_data_parallel_.join_deferred(); }
+
+double GpuShardedAdamW::step(__nv_bfloat16* working, float* grads, double lr, const TrainConfig& t,
+                             bool experts_reduced) {
   const std::vector<ZeroBucket>& buckets = partition_.buckets();
   // Each owner's chunk of the summed gradient lands in place, in its own part of grads.
-  for (const ZeroBucket& b : buckets)
-    if (comm(b).size() > 1)
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    const ZeroBucket& b = buckets[i];
+    if (comm(b).size() > 1 && !(experts_reduced && final_after_layer_[i] >= 0))
       comm(b).reduce_scatter_sum(std::span<const float>(grads + b.offset, size_t(b.length)),
                                  std::span<float>(grads + b.offset + b.mine_offset, size_t(b.mine)), b.chunks);
+  }
   MOEUT_CUDA_CHECK(cudaMemsetAsync(sq_.get(), 0, sizeof(double), stream_));
   for (const ZeroBucket& b : buckets) cuda::sum_of_squares(sq_.get(), grads + b.offset + b.mine_offset, b.mine, stream_);
   world_.all_reduce_sum(std::span<double>(sq_.get(), 1));

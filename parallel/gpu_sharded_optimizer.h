@@ -30,7 +30,17 @@ class GpuShardedAdamW {
   // after the working copy's all-gather (the step's end, where the trainer waits for its
   // collectives anyway), and NonFiniteUpdate (parallel/run_errors.h) thrown on every rank
   // together when it is set.
-  double step(__nv_bfloat16* working, float* grads, double lr, const TrainConfig& t);
+  //
+  // experts_reduced: reduce_final_experts() ran for every physical layer in the step's last
+  // backward pass (and join_reduces() after them), so the buckets it reduced are not reduced again.
+  double step(__nv_bfloat16* working, float* grads, double lr, const TrainConfig& t, bool experts_reduced = false);
+  // In the step's last backward pass, once physical layer g's FFN expert gradients are final:
+  // reduces to their owners the expert buckets that held nothing else still to come, on the
+  // expert-data-parallel group's stream, while the pass goes on (the caller's stream does not
+  // wait for them until join_reduces()). Layers come last first, as the backward pass finishes
+  // them.
+  void reduce_final_experts(float* grads, int64_t g);
+  void join_reduces();
   // Per tensor of `layout`, the sum of squares of this rank's chunks of the summed gradient of
   // the last step (grads as step() left it: each owned chunk keeps its sum until the next
   // backward pass). Summed over the world's ranks, the squares of the tensors' gradient norms.
@@ -53,6 +63,9 @@ class GpuShardedAdamW {
   Communicator &world_, &expert_data_parallel_;
   cudaStream_t stream_;
   int64_t total_;
+  // Per bucket, the physical layer after whose FFN experts reduce_final_experts() reduces it (the
+  // lowest layer whose expert gradients it holds), or -1: a bucket step() reduces.
+  std::vector<int64_t> final_after_layer_;
   cuda::DeviceBuffer<float> master_, m_, v_;
   cuda::DeviceBuffer<double> sq_;
   cuda::DeviceBuffer<float> non_finite_;  // set by the update (adamw_update), never cleared: the run stops

@@ -1,5 +1,6 @@
 #include "parallel/nccl_communicator.h"
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 
@@ -73,6 +74,13 @@ void NcclCommunicator::run(const char* op, Enqueue&& enqueue) {
   enqueue();
   check(ncclGroupEnd(), op);
   if (timed) MOEUT_CUDA_CHECK(cudaEventRecord(timed_.back().second, stream_));
+  if (deferring_) return;
+  MOEUT_CUDA_CHECK(cudaEventRecord(done_, stream_));
+  MOEUT_CUDA_CHECK(cudaStreamWaitEvent(caller_, done_, 0));
+}
+
+void NcclCommunicator::join_deferred() {
+  deferring_ = false;
   MOEUT_CUDA_CHECK(cudaEventRecord(done_, stream_));
   MOEUT_CUDA_CHECK(cudaStreamWaitEvent(caller_, done_, 0));
 }
@@ -144,9 +152,19 @@ void NcclCommunicator::reduce_scatter_sum(std::span<const float> data, std::span
   });
 }
 
-// One in-place broadcast per chunk owner, grouped.
+// Equal chunks (the token exchange's): one in-place ncclAllGather, every link busy both ways at
+// once. Otherwise one in-place broadcast per chunk owner, grouped.
 void NcclCommunicator::all_gather_v(void* data, std::span<const int64_t> counts, ncclDataType_t type, size_t bytes,
                                     const char* op) {
+  const bool equal = std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts[0]; });
+  if (equal && counts[0] > 0) {
+    const size_t chunk = size_t(counts[0]);
+    char* all = static_cast<char*>(data);
+    run("ncclAllGather", [&] {
+      check(ncclAllGather(all + size_t(rank()) * chunk * bytes, all, chunk, type, comm_, stream_), "ncclAllGather");
+    });
+    return;
+  }
   run(op, [&] {
     size_t off = 0;
     for (int r = 0; r < size(); ++r) {

@@ -39,6 +39,8 @@ class NcclCommunicator final : public Communicator {
   void all_gather_v(std::span<float> data, std::span<const int64_t> counts) override;
   void all_gather_v(std::span<int32_t> data, std::span<const int64_t> counts) override;
   void all_gather_v(std::span<uint16_t> data, std::span<const int64_t> counts) override;
+  void defer_joins() override { deferring_ = true; }
+  void join_deferred() override;
   // Seconds this group's collectives ran on the device since the last call (waits for them);
   // collectives replayed within a CUDA graph are not counted.
   double take_seconds();
@@ -55,6 +57,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t caller_, stream_ = nullptr;
   cudaEvent_t queued_ = nullptr, done_ = nullptr;
+  bool deferring_ = false;  // see Communicator::defer_joins
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> timed_, spare_;  // (start, end) of each call
 };
 

@@ -216,7 +216,7 @@ double Trainer::train() {
       }
       const double share = double(micro) / double(t.batch_size);
       const NvtxRange range("forward and backward");
-      const LossParts part = backend_->forward_backward(tokens.data(), micro, share);
+      const LossParts part = backend_->forward_backward(tokens.data(), micro, share, first + micro >= local_batch_);
       parts[0] += share * part.ce;
       parts[1] += share * part.reg_ffn;
       parts[2] += share * part.reg_att;

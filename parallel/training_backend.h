@@ -26,8 +26,9 @@ class TrainingBackend {
   virtual int64_t device_memory_in_use() const = 0;
   virtual const ParamLayout& layout() const = 0;  // this rank's part of the model
   virtual void zero_gradients() = 0;
-  // Accumulates the gradient of weight · (mean CE + regularisers) of B sequences.
-  virtual LossParts forward_backward(const int32_t* tokens, int64_t B, double weight) = 0;
+  // Accumulates the gradient of weight · (mean CE + regularisers) of B sequences. last: the
+  // step's last micro-batch, whose backward pass may begin synchronising the gradients.
+  virtual LossParts forward_backward(const int32_t* tokens, int64_t B, double weight, bool last) = 0;
   virtual double forward_ce_sum(const int32_t* tokens, int64_t B) = 0;
   // One optimizer step at learning rate lr; returns the global gradient norm before clipping.
   virtual double step(double lr, const TrainConfig& t) = 0;

@@ -1,0 +1,139 @@
+// The gradient synchronisation that a step's last backward pass begins (GpuModel::GradientSync,
+// GpuShardedAdamW::reduce_final_experts): a physical layer's FFN expert gradients are final when
+// the pass says so, the last layers first, in eager passes and in replays of captured ones; and
+// reducing the expert buckets there, beside the pass, updates the parameters exactly as reducing
+// them all at the step does (the same reductions of the same values), across the ranks of an
+// expert-data-parallel group (mpirun -np 2 or more).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "core/gpu_model.h"
+#include "core/model.h"
+#include "gpu_model_test.h"
+#include "gpu_test.h"
+#include "mpi/mpi_test.h"
+#include "parallel/gpu_sharded_optimizer.h"
+#include "parallel/mpi_communicator.h"
+#include "parallel/nccl_communicator.h"
+
+namespace moeut {
+namespace {
+
+int devices() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+// [begin, end) of physical layer g's FFN expert tensors (keys, then values) in the gradient buffer.
+std::pair<int64_t, int64_t> expert_range(const ParamLayout& layout, int64_t g) {
+  const TensorSpec& values = layout.at(layer_prefix(g) + "ffn.values");
+  return {layout.at(layer_prefix(g) + "ffn.keys").offset, values.offset + values.numel};
+}
+
+// Copies each layer's expert gradients, in stream order, when the pass calls them final.
+class SnapshotSync final : public GpuModel::GradientSync {
+ public:
+  SnapshotSync(const ParamLayout& layout, int64_t layers, cudaStream_t stream) : layout_(layout), stream_(stream) {
+    for (int64_t g = 0; g < layers; ++g) {
+      const auto [begin, end] = expert_range(layout, g);
+      snapshots_.emplace_back(size_t(end - begin));
+    }
+  }
+  void experts_final(int64_t g, float* grads) override {
+    calls_.push_back(g);
+    const auto [begin, end] = expert_range(layout_, g);
+    MOEUT_CUDA_CHECK(cudaMemcpyAsync(snapshots_[size_t(g)].get(), grads + begin, size_t(end - begin) * sizeof(float),
+                                     cudaMemcpyDeviceToDevice, stream_));
+  }
+  void pass_end() override { calls_.push_back(-1); }
+  std::vector<int64_t> calls_;  // the layers in call order, -1 for pass_end
+  std::vector<cuda::DeviceBuffer<float>> snapshots_;
+
+ private:
+  const ParamLayout& layout_;
+  cudaStream_t stream_;
+};
+
+TEST(GpuGradientSync, ExpertGradientsAreFinalWhenThePassSaysSo) {
+  if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
+  const ModelConfig cfg = gpu_test::small_config();  // 4 layers, 2 physical: the second repeat defers
+  const int64_t B = 2;
+  cudaStream_t stream;
+  MOEUT_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    GpuModel model(cfg, B, expert_shard(cfg.ff_n_experts, 1, 0), nullptr, stream);
+    Model<float> init(cfg);
+    init.init(5);
+    model.set_parameters(init.params);
+    SnapshotSync sync(model.layout(), cfg.group_size, stream);
+    Rng rng{9};
+    std::vector<int32_t> tokens(size_t(B * (cfg.context + 1)));
+    // Step 0 runs eagerly, step 1 is captured, step 2 replays (see GpuModel::set_graphs).
+    for (int step = 0; step < 3; ++step) {
+      model.zero_gradients();
+      for (int micro = 0; micro < 2; ++micro) {
+        for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(cfg.n_tokens));
+        model.forward_backward(tokens.data(), 0.5, micro == 1 ? &sync : nullptr);
+      }
+      const std::vector<float> grads = model.gradients();
+      for (int64_t g = 0; g < cfg.group_size; ++g) {
+        const auto [begin, end] = expert_range(model.layout(), g);
+        const std::vector<float> seen = sync.snapshots_[size_t(g)].download();
+        EXPECT_TRUE(std::equal(seen.begin(), seen.end(), grads.begin() + begin))
+            << "step " << step << ": layer " << g << "'s expert gradients changed after the pass called them final";
+      }
+    }
+    // Captured once, replayed after: the host saw the eager and the captured pass.
+    EXPECT_EQ(sync.calls_, (std::vector<int64_t>{1, 0, -1, 1, 0, -1}));
+  }
+  MOEUT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(GpuGradientSync, ReducingExpertsInTheBackwardUpdatesAsTheStepDoes) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks or more (mpirun -np 2)";
+  if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
+  const ModelConfig cfg = gpu_test::small_config();
+  const ParamLayout layout(cfg);  // every expert on every rank: ep 1, the experts' data-parallel group the world
+  const ProcessGroups host = mpi_process_groups(MPI_COMM_WORLD, 1);
+  cudaStream_t stream;
+  MOEUT_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    const NcclProcessGroups groups = nccl_process_groups(host, stream);
+    Model<float> init(cfg);
+    init.init(3);
+    Rng rng{uint64_t(40 + world_rank())};  // each rank its own gradients
+    std::vector<float> grads(size_t(layout.total()));
+    for (float& v : grads) v = float(rng.normal() * 1e-2);
+    // Small buckets: several per layer, and some holding the end of one layer and the start of the next.
+    const int64_t bucket = 3001;
+    TrainConfig t;
+    t.lr = 1e-3;
+    std::vector<std::vector<uint16_t>> working(2);
+    std::vector<double> norms;
+    for (const bool early : {false, true}) {
+      GpuShardedAdamW optimizer(layout, groups, init.params, stream, bucket);
+      cuda::DeviceBuffer<__nv_bfloat16> w(size_t(layout.total()));
+      cuda::DeviceBuffer<float> g(grads);
+      if (early) {
+        for (int64_t layer = cfg.group_size - 1; layer >= 0; --layer) optimizer.reduce_final_experts(g.get(), layer);
+        optimizer.join_reduces();
+      }
+      norms.push_back(optimizer.step(w.get(), g.get(), t.lr, t, early));
+      std::vector<__nv_bfloat16> out = w.download();
+      working[early].resize(out.size());
+      std::memcpy(working[early].data(), out.data(), out.size() * sizeof(uint16_t));
+    }
+    EXPECT_EQ(norms[1], norms[0]);
+    EXPECT_EQ(working[1], working[0]) << "the working copy after the step differs";
+  }
+  MOEUT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+}  // namespace
+}  // namespace moeut
