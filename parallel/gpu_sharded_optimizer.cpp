@@ -57,10 +57,13 @@ void GpuShardedAdamW::reduce_final_experts(float* grads, int64_t g) {
   expert_data_parallel_.defer_joins();
   for (size_t i = 0; i < buckets.size(); ++i) {
     const ZeroBucket& b = buckets[i];
-    if (final_after_layer_[i] != g) continue;
-    comm(b).reduce_scatter_sum(std::span<const float>(grads + b.offset, size_t(b.length)),
-                               std::span<float>(grads + b.offset + b.mine_offset, size_t(b.mine)), b.chunks);
+    if (final_after_layer_[i] == g) reduce(b, grads);
   }
+}
+
+void GpuShardedAdamW::reduce(const ZeroBucket& b, float* grads) {
+  comm(b).reduce_scatter_sum(std::span<const float>(grads + b.offset, size_t(b.length)),
+                             std::span<float>(grads + b.offset + b.mine_offset, size_t(b.mine)), b.chunks);
 }
 
 void GpuShardedAdamW::join_reduces() { expert_data_parallel_.join_deferred(); }
@@ -71,9 +74,7 @@ double GpuShardedAdamW::step(__nv_bfloat16* working, float* grads, double lr, co
   // Each owner's chunk of the summed gradient lands in place, in its own part of grads.
   for (size_t i = 0; i < buckets.size(); ++i) {
     const ZeroBucket& b = buckets[i];
-    if (comm(b).size() > 1 && !(experts_reduced && final_after_layer_[i] >= 0))
-      comm(b).reduce_scatter_sum(std::span<const float>(grads + b.offset, size_t(b.length)),
-                                 std::span<float>(grads + b.offset + b.mine_offset, size_t(b.mine)), b.chunks);
+    if (comm(b).size() > 1 && !(experts_reduced && final_after_layer_[i] >= 0)) reduce(b, grads);
   }
   MOEUT_CUDA_CHECK(cudaMemsetAsync(sq_.get(), 0, sizeof(double), stream_));
   for (const ZeroBucket& b : buckets) cuda::sum_of_squares(sq_.get(), grads + b.offset + b.mine_offset, b.mine, stream_);

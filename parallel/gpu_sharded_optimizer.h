@@ -58,6 +58,8 @@ class GpuShardedAdamW {
     return b.group == ZeroGroup::kWorld ? world_ : expert_data_parallel_;
   }
   void gather_working(__nv_bfloat16* working);
+  // Bucket b's gradient chunks summed over its group, each into its owner's chunk of grads.
+  void reduce(const ZeroBucket& b, float* grads);
 
   ZeroPartition partition_;
   Communicator &world_, &expert_data_parallel_;

@@ -74,9 +74,7 @@ void NcclCommunicator::run(const char* op, Enqueue&& enqueue) {
   enqueue();
   check(ncclGroupEnd(), op);
   if (timed) MOEUT_CUDA_CHECK(cudaEventRecord(timed_.back().second, stream_));
-  if (deferring_) return;
-  MOEUT_CUDA_CHECK(cudaEventRecord(done_, stream_));
-  MOEUT_CUDA_CHECK(cudaStreamWaitEvent(caller_, done_, 0));
+  if (!deferring_) join_deferred();
 }
 
 void NcclCommunicator::join_deferred() {
