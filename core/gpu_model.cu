@@ -255,6 +255,7 @@ void GpuModel::experts_forward(int64_t l) {
   const GpuTokenDispatcher::Rows& in = L.experts;
   mark(Part::kExperts);
   planner_->build(L.plan_ff, in.index, in.rows, 1, E, kf, cuda::CvmmRoute::kGatherToPositions, stream_);
+  dispatcher_->await(*L.route);  // the rows, which arrived beside the plan
   cuda::cvmm_rows(L.plan_ff.view(),
                   {.X = in.x, .W = P.keys, .weight = nullptr, .out = L.hidden.get(), .out_f32 = nullptr,
                    .dweight = nullptr, .dot_rows = nullptr, .K = d, .N = es, .transpose_w = false, .accumulate = false,

@@ -57,7 +57,11 @@ class GpuTokenDispatcher {
   // cannot capture.
   virtual bool host_synchronous() const = 0;
 
+  // The returned rows' x may still be arriving (index and weight are there): the caller's work
+  // that reads x comes after await(route), and the work before it (the experts' plan, from the
+  // routing) runs beside their arrival.
   virtual Rows dispatch(Route& route, const Rows& tokens) = 0;
+  virtual void await(Route&) {}
   // The experts' outputs, in the out that dispatch returned, added into the tokens' out.
   virtual void combine(Route& route) = 0;
   virtual GradRows dispatch_grad(Route& route, const GradRows& tokens) = 0;

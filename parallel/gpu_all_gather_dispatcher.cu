@@ -118,6 +118,7 @@ std::vector<int64_t> GpuAllGatherDispatcher::chunks(int64_t width) const {
 }
 
 GpuTokenDispatcher::Rows GpuAllGatherDispatcher::dispatch(Route& made, const Rows& in) {
+  check_awaited("dispatch");
   Gathered& route = static_cast<Gathered&>(made);
   if (in.rows > max_tokens_)
     throw std::invalid_argument("GpuAllGatherDispatcher: " + std::to_string(in.rows) + " tokens, planned for " +
@@ -129,8 +130,11 @@ GpuTokenDispatcher::Rows GpuAllGatherDispatcher::dispatch(Route& made, const Row
   stage_routing<<<unsigned((max_tokens_ * k_ + 255) / 256), 256, 0, stream_>>>(
       meta_.get() + mine * 2 * k_, in.index, in.weight, int(in.rows), int(max_tokens_), int(k_));
   MOEUT_CUDA_CHECK(cudaGetLastError());
-  comm_.all_gather_v(std::span<uint16_t>(bits(route.x.get()), size_t(M * d_)), chunks(d_));
+  // The routing first; the rows after it, joined in await, arrive while the caller plans.
   comm_.all_gather_v(std::span<int32_t>(meta_.get(), size_t(M * 2 * k_)), chunks(2 * k_));
+  comm_.defer_joins();
+  comm_.all_gather_v(std::span<uint16_t>(bits(route.x.get()), size_t(M * d_)), chunks(d_));
+  arriving_ = &route;
   bytes_sent_ += (ranks_ - 1) * max_tokens_ * (d_ * int64_t(sizeof(bf16)) + 2 * k_ * int64_t(sizeof(int32_t)));
   unpack_routing<<<unsigned((M * k_ + 255) / 256), 256, 0, stream_>>>(
       route.index.get(), route.weight.get(), meta_.get(), M, int(k_), int(shard_.begin), int(shard_.count));
@@ -138,6 +142,18 @@ GpuTokenDispatcher::Rows GpuAllGatherDispatcher::dispatch(Route& made, const Row
   MOEUT_CUDA_CHECK(cudaMemsetAsync(rows_f32_.get(), 0, size_t(rows_f32_.bytes()), stream_));
   return {.x = route.x.get(), .index = route.index.get(), .weight = route.weight.get(), .rows = M,
           .out = rows_f32_.get()};
+}
+
+void GpuAllGatherDispatcher::await(Route& route) {
+  if (arriving_ != &route) return;
+  comm_.join_deferred();
+  arriving_ = nullptr;
+}
+
+void GpuAllGatherDispatcher::check_awaited(const char* call) const {
+  if (arriving_)
+    throw std::logic_error(std::string("GpuAllGatherDispatcher: ") + call +
+                           " while the last dispatch's rows were not awaited");
 }
 
 void GpuAllGatherDispatcher::return_partials(float* out, float* slots_out, int64_t tokens, bool backward) {
@@ -159,10 +175,12 @@ void GpuAllGatherDispatcher::return_partials(float* out, float* slots_out, int64
 
 void GpuAllGatherDispatcher::combine(Route& made) {
   const Gathered& route = static_cast<const Gathered&>(made);
+  check_awaited("combine");
   return_partials(route.out, nullptr, route.tokens, false);
 }
 
 GpuTokenDispatcher::GradRows GpuAllGatherDispatcher::dispatch_grad(Route& made, const GradRows& grads) {
+  check_awaited("dispatch_grad");
   Gathered& route = static_cast<Gathered&>(made);
   route.grads = grads;
   const int64_t M = max_rows();

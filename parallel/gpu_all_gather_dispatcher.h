@@ -6,9 +6,11 @@
 // group, so the all-to-all's routing saves few rows; here the exchange has a fixed size, needs
 // no counts on the host, and a pass through it can be captured as a CUDA graph.
 //
-// Rows: the gathered buffer holds rank r's tokens at rows [r·max_tokens, r·max_tokens + N_r);
-// rows past a rank's N_r carry no selection (index -1). Backward: output gradients are gathered
-// the same way; input gradients go back in bf16 and routing-weight gradients in fp32.
+// The routing travels first and the rows after it, so that the experts' plan is built while the
+// rows arrive (await). Rows: the gathered buffer holds rank r's tokens at rows [r·max_tokens,
+// r·max_tokens + N_r); rows past a rank's N_r carry no selection (index -1). Backward: output
+// gradients are gathered the same way; input gradients go back in bf16 and routing-weight
+// gradients in fp32.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -36,6 +38,7 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   int64_t max_rows() const override { return ranks_ * max_tokens_; }
   bool host_synchronous() const override { return false; }
   Rows dispatch(Route& route, const Rows& tokens) override;
+  void await(Route& route) override;
   void combine(Route& route) override;
   GradRows dispatch_grad(Route& route, const GradRows& grads) override;
   void combine_grad(Route& route) override;
@@ -58,6 +61,9 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   };
   // Every rank's chunk of `width` elements a row, max_tokens rows each.
   std::vector<int64_t> chunks(int64_t width) const;
+  // Refuses `call` while a dispatch's rows are arriving (a caller's error: the exchanges would
+  // no longer be joined in order).
+  void check_awaited(const char* call) const;
   // rows_f32_'s partial sums of the other ranks' rows to those ranks in bf16, theirs for this
   // rank's rows back into back_; then out[n] += every rank's partial in rank order, this rank's
   // own from rows_f32_ in fp32. Backward, dw_'s routing-weight gradients travel too (fp32) and
@@ -71,6 +77,7 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   int64_t max_tokens_, d_, k_;
   cudaStream_t stream_;
   int64_t bytes_sent_ = 0;
+  Gathered* arriving_ = nullptr;  // the route whose rows' gather is not yet joined (see await)
   cuda::DeviceBuffer<int32_t> meta_;  // [max_rows, 2k]: global ids (-1: padding), then weights' bits
   // The experts' side, shared by the layers (each combines before the next dispatches): their
   // outputs or input gradients (fp32), their routing-weight gradients, the bf16 partials going

@@ -124,6 +124,7 @@ void check_dispatch(Routing routing, Exchange exchange) {
     const GpuTokenDispatcher::Rows rows = dispatcher.dispatch(
         *route, {.x = gx.get(), .index = gindex.get(), .weight = gweight.get(), .rows = N, .out = out.get()});
     const int64_t received = rows.rows;
+    dispatcher.await(*route);
     if (routing == Routing::kSkewed && me != 0 && !exchange.all_gather) {
       EXPECT_EQ(received, 0) << "rank " << me << " holds none of the chosen experts";
     }
@@ -173,7 +174,8 @@ TEST(GpuDispatch, AllGatherEveryTokenToRankZerosExperts) { check_dispatch(Routin
 TEST(GpuDispatch, AllGatherARankWithNoTokensStillTakesPart) { check_dispatch(Routing::kRankOneEmpty, kAllGather); }
 
 // More tokens than the dispatcher was planned for: refused before anything is exchanged, on
-// every rank alike (each is given too many), and the dispatcher still works after.
+// every rank alike (each is given too many), and the dispatcher still works after. Gathered
+// rows combined before they were awaited are refused too.
 TEST(GpuDispatch, MoreTokensThanPlannedAreRefused) {
   if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
@@ -200,6 +202,10 @@ TEST(GpuDispatch, MoreTokensThanPlannedAreRefused) {
       GpuTokenDispatcher::Rows eight = nine;
       eight.rows = 8;
       EXPECT_NO_THROW(dispatcher->dispatch(*route, eight));
+      if (x.all_gather) {  // the rows still arriving: combining them is a caller's error
+        EXPECT_THROW(dispatcher->combine(*route), std::logic_error);
+      }
+      dispatcher->await(*route);
       dispatcher->combine(*route);
       MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
