@@ -380,11 +380,16 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass, GradientSync* sync) 
     cuda::layernorm_backward(act_->dres.get(), param_grads_.out_norm_weight, param_grads_.out_norm_bias,
                              act_->dxf.get(), act_->xhat_f.get(), params_.out_norm_weight, act_->rstd_f.get(), N, d,
                              stream_, act_->dresb.get());
+    GpuTokenDispatcher::GradRows ffn_grads = dispatch_ffn_grad(cfg_.n_layers - 1);
     for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
       const NvtxRange range(layer_range_names_[l].backward.c_str());
-      ffn_backward(l);
+      ffn_backward(l, ffn_grads);
       if (sync && l < cfg_.group_size) sync->experts_final(l, grads_.get());
       attention_backward(l);
+      // The layer below's output gradient travels to its experts beside this layer's weight
+      // gradients.
+      if (l > 0) ffn_grads = dispatch_ffn_grad(l - 1);
+      attention_weight_grad(l);
     }
     mark(Part::kOther);
     cuda::embedding_backward(param_grads_.embedding, act_->dres.get(), act_->inputs.get(), N, d, stream_);
@@ -424,20 +429,27 @@ void GpuModel::routing_grad(const cuda::SoftmaxGrad& reg, const int32_t* index, 
   cuda::topk_sigmoid_backward(dzb, ld, reg, act_->dw.get(), index, w, B_ * cfg_.context, groups, E, k, stream_);
 }
 
-void GpuModel::ffn_backward(int64_t l) {
-  GpuLayerActivations& L = act_->layers[l];
-  const int64_t g = l % cfg_.group_size;
-  const LayerTensors<bf16>& P = params_.layers[g];
-  const LayerTensors<float>& dP = param_grads_.layers[g];
-  const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
+GpuTokenDispatcher::GradRows GpuModel::dispatch_ffn_grad(int64_t l) {
+  const int64_t N = B_ * cfg_.context, kf = cfg_.ff_k;
   // dres holds d/d(layer output), and dresb its bf16 copy (written by the LayerNorm backward that
   // finished it). The FFN input is the raw x_mid: its expert gradient adds straight onto dres, and
   // so does LN2's.
   mark(Part::kOther);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->dw.get(), 0, size_t(N * kf) * sizeof(float), stream_));
   mark(Part::kExperts);
-  experts_backward(
-      l, dispatcher_->dispatch_grad(*L.route, {.dy = act_->dresb.get(), .dx = act_->dres.get(), .dw = act_->dw.get()}));
+  return dispatcher_->dispatch_grad(*act_->layers[l].route,
+                                    {.dy = act_->dresb.get(), .dx = act_->dres.get(), .dw = act_->dw.get()});
+}
+
+void GpuModel::ffn_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads) {
+  GpuLayerActivations& L = act_->layers[l];
+  const int64_t g = l % cfg_.group_size;
+  const LayerTensors<bf16>& P = params_.layers[g];
+  const LayerTensors<float>& dP = param_grads_.layers[g];
+  const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
+  mark(Part::kExperts);
+  dispatcher_->await(*L.route);
+  experts_backward(l, grads);
   dispatcher_->combine_grad(*L.route);  // beside the experts' weight gradients
   // The router: its gradient's rows padded to router_rows_ld (zeros past Ef), its weight likewise.
   const int64_t ld = router_rows_ld(Ef);
@@ -611,10 +623,16 @@ void GpuModel::attention_backward(int64_t l) {
                          {.A = L.xb.get(), .B = act_->dv.get(), .weight = L.wv.get(), .a_by_in_row = true,
                           .dW = dP.v, .K = d, .N = dh, .n_experts = H * Ea, .staging = act_->att_dw_staging.get()},
                          side_->get());
+}
+
+void GpuModel::attention_weight_grad(int64_t l) {
+  const int64_t N = B_ * cfg_.context, hd = cfg_.n_heads * cfg_.d_head, he = cfg_.n_heads * cfg_.att_n_experts;
   mark(Part::kDense);
-  // The weight gradients: q, k and the two routers are adjacent in the layout (checked at
-  // construction), so one product.
-  dense_->weight_grad(dq, act_->attn_in_ld, act_->xn.get(), dP.q, N, 2 * hd + 2 * H * Ea);
+  // q, k and the two routers are adjacent in the layout (checked at construction): one product
+  // of their gradients (act_->attn_in_grad) and LN1's output, which attention_backward wrote
+  // again into act_->xn.
+  dense_->weight_grad(act_->attn_in_grad.get(), act_->attn_in_ld, act_->xn.get(),
+                      param_grads_.layers[l % cfg_.group_size].q, N, 2 * hd + 2 * he);
 }
 
 }  // namespace moeut

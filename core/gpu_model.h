@@ -131,7 +131,11 @@ class GpuModel {
   void enqueue_graphed(int64_t B, double weight, Pass pass, GradientSync* sync);
   void attention_forward(int64_t l);
   void ffn_forward(int64_t l);
-  void ffn_backward(int64_t l);
+  // The FFN's backward in two steps: dispatch_ffn_grad(l) sends layer l's output gradient to its
+  // experts, an exchange that may run beside the work queued next; ffn_backward(l, grads) runs
+  // the experts on what it returned, and the rest of the FFN's backward.
+  GpuTokenDispatcher::GradRows dispatch_ffn_grad(int64_t l);
+  void ffn_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads);
   // The FFN experts held here over layer l's rows as its dispatch gave them (kept in the layer):
   // their out += the weighted expert outputs.
   void experts_forward(int64_t l);
@@ -147,7 +151,10 @@ class GpuModel {
   enum class WeightGradTurn { kAlone, kDefer, kWithDeferred };
   WeightGradTurn weight_grad_turn(int64_t l) const;
   void zero_unwritten_expert_grads();  // see grads()
+  // The attention's backward but for its dense weight gradient (q, k and the routers), which
+  // attention_weight_grad(l) adds once the layer below's FFN gradient is on its way.
   void attention_backward(int64_t l);
+  void attention_weight_grad(int64_t l);
   // The routing logits' gradient, dz = regulariser gradient + routing backward, in bf16 into dzb
   // [rows, groups·E] with rows ld elements apart.
   void routing_grad(const cuda::SoftmaxGrad& reg, const int32_t* index, const float* w, int64_t groups, int64_t E,

@@ -59,7 +59,7 @@ class GpuTokenDispatcher {
 
   // The returned rows' x may still be arriving (index and weight are there): the caller's work
   // that reads x comes after await(route), and the work before it (the experts' plan, from the
-  // routing) runs beside their arrival.
+  // routing) runs beside their arrival. Likewise dispatch_grad's dy.
   virtual Rows dispatch(Route& route, const Rows& tokens) = 0;
   virtual void await(Route&) {}
   // The experts' outputs, in the out that dispatch returned, added into the tokens' out.

@@ -153,7 +153,7 @@ void GpuAllGatherDispatcher::await(Route& route) {
 void GpuAllGatherDispatcher::check_awaited(const char* call) const {
   if (arriving_)
     throw std::logic_error(std::string("GpuAllGatherDispatcher: ") + call +
-                           " while the last dispatch's rows were not awaited");
+                           " while the last dispatch's rows (or gradients) were not awaited");
 }
 
 void GpuAllGatherDispatcher::return_partials(float* out, float* slots_out, int64_t tokens, bool backward) {
@@ -185,7 +185,9 @@ GpuTokenDispatcher::GradRows GpuAllGatherDispatcher::dispatch_grad(Route& made, 
   route.grads = grads;
   const int64_t M = max_rows();
   copy_rows(dy_.get() + rank_ * max_tokens_ * d_, grads.dy, route.tokens * d_, stream_);
+  comm_.defer_joins();  // joined in await, as dispatch's rows
   comm_.all_gather_v(std::span<uint16_t>(bits(dy_.get()), size_t(M * d_)), chunks(d_));
+  arriving_ = &route;
   bytes_sent_ += (ranks_ - 1) * max_tokens_ * d_ * int64_t(sizeof(bf16));
   MOEUT_CUDA_CHECK(cudaMemsetAsync(rows_f32_.get(), 0, size_t(rows_f32_.bytes()), stream_));
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(dw_.bytes()), stream_));
@@ -193,6 +195,7 @@ GpuTokenDispatcher::GradRows GpuAllGatherDispatcher::dispatch_grad(Route& made, 
 }
 
 void GpuAllGatherDispatcher::combine_grad(Route& made) {
+  check_awaited("combine_grad");
   const Gathered& route = static_cast<const Gathered&>(made);
   return_partials(route.grads.dx, route.grads.dw, route.tokens, true);
 }

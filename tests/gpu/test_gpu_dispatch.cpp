@@ -145,6 +145,7 @@ void check_dispatch(Routing routing, Exchange exchange) {
     dispatcher.combine(*route);
     const GpuTokenDispatcher::GradRows grads =
         dispatcher.dispatch_grad(*route, {.dy = gdy.get(), .dx = dx.get(), .dw = dw.get()});
+    dispatcher.await(*route);
     const auto rdy = to_float(download(grads.dy, received * d, stream));
     EXPECT_EQ(download(grads.dx, received * d, stream), std::vector<float>(size_t(received * d), 0.f))
         << "rank " << me << ": the experts' input gradients start at zero";
