@@ -412,10 +412,7 @@ std::vector<T> Model<T>::logits(const int32_t* tokens, int64_t B) {
   forward(tokens, B);
   const int64_t n = B * cfg_.context, V = cfg_.n_tokens;
   std::vector<T> out(size_t(n * V));
-  const T* bias = param("lm_head.bias");
-  for (int64_t r = 0; r < n; ++r) std::copy_n(bias, V, out.data() + r * V);
-  gemm(false, true, n, V, cfg_.d_model, T(1), xf_.data(), cfg_.d_model, param("lm_head.weight"), cfg_.d_model, T(1),
-       out.data(), V);
+  lm_head_logits(out.data(), xf_.data(), param("lm_head.weight"), param("lm_head.bias"), n, cfg_.d_model, V);
   return out;
 }
 

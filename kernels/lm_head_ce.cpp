@@ -8,6 +8,12 @@
 namespace moeut {
 
 template <typename T>
+void lm_head_logits(T* logits, const T* x, const T* W, const T* bias, int64_t n, int64_t d, int64_t V) {
+  for (int64_t r = 0; r < n; ++r) std::copy_n(bias, V, logits + r * V);
+  gemm(false, true, n, V, d, T(1), x, d, W, d, T(1), logits, V);
+}
+
+template <typename T>
 double lm_head_ce(T* dx, T* dW, T* dbias, double* row_loss, const T* x, const T* W,
                   const T* bias, const int32_t* targets, int64_t n, int64_t d, int64_t V,
                   T grad_scale, std::vector<T>& scratch) {
@@ -17,8 +23,7 @@ double lm_head_ce(T* dx, T* dW, T* dbias, double* row_loss, const T* x, const T*
   for (int64_t r0 = 0; r0 < n; r0 += kChunk) {
     const int64_t m = std::min(kChunk, n - r0);
     T* logits = scratch.data();
-    for (int64_t r = 0; r < m; ++r) std::copy_n(bias, V, logits + r * V);
-    gemm(false, true, m, V, d, T(1), x + r0 * d, d, W, d, T(1), logits, V);
+    lm_head_logits(logits, x + r0 * d, W, bias, m, d, V);
     std::vector<double> losses(static_cast<size_t>(m));
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
@@ -46,6 +51,9 @@ double lm_head_ce(T* dx, T* dW, T* dbias, double* row_loss, const T* x, const T*
   return total;
 }
 
+template void lm_head_logits<float>(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t);
+template void lm_head_logits<double>(double*, const double*, const double*, const double*, int64_t, int64_t,
+                                     int64_t);
 template double lm_head_ce<float>(float*, float*, float*, double*, const float*, const float*,
                                   const float*, const int32_t*, int64_t, int64_t, int64_t, float,
                                   std::vector<float>&);

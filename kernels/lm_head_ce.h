@@ -6,6 +6,10 @@
 
 namespace moeut {
 
+// logits [n, V] = x [n, d] · Wᵀ + bias [V].
+template <typename T>
+void lm_head_logits(T* logits, const T* x, const T* W, const T* bias, int64_t n, int64_t d, int64_t V);
+
 // x [n, d], W [V, d], bias [V], targets [n]. Returns the sum over rows of
 // logsumexp(logits) - logits[target]; row_loss [n] receives each row's term when not null.
 // When dx is not null, also accumulates the gradient of grad_scale * (that sum) into

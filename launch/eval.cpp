@@ -9,6 +9,7 @@
 
 #include "checkpoints/weights_file.h"
 #include "core/write_error.h"
+#include "parallel/run_errors.h"
 #include "parallel/trainer.h"
 #include "launch/options.h"
 
@@ -56,7 +57,7 @@ int main(int argc, char** argv) {
       throw ConfigError("context and micro_batch_size must be positive; max_windows and threads >= 0");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moeut-eval: %s\n%s", e.what(), "run with --help for the options\n");
-    return 2;
+    return kExitConfig;
   }
   try {
     if (threads > 0) omp_set_num_threads(int(threads));

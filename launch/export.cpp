@@ -5,6 +5,7 @@
 #include "checkpoints/checkpoint.h"
 #include "checkpoints/weights_file.h"
 #include "launch/options.h"
+#include "parallel/run_errors.h"
 
 namespace po = boost::program_options;
 
@@ -19,7 +20,7 @@ int main(int argc, char** argv) {
     if (!parse_options(argc, argv, opts)) return 0;
   } catch (const po::error& e) {
     std::fprintf(stderr, "moeut-export: %s\nrun with --help for the options\n", e.what());
-    return 2;
+    return kExitConfig;
   }
   try {
     const CheckpointWeights w = read_checkpoint_weights(checkpoint);

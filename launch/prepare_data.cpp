@@ -29,6 +29,7 @@
 #include "launch/llmc_import.h"
 #include "launch/prepare_encode.h"
 #include "launch/prepare_input.h"
+#include "parallel/run_errors.h"
 
 namespace {
 
@@ -42,8 +43,6 @@ constexpr size_t kBlockLines = 50;
 // The longest sentence SentencePiece trains on (its max_sentence_length default); longer text is
 // cut for training at a space, so that documents of a JSON-lines corpus are not skipped.
 constexpr size_t kMaxSentenceBytes = 4192;
-// The exit status for bad input data (sysexits' EX_DATAERR), as moeut-train uses it.
-constexpr int kExitDataError = 65;
 
 struct Options {
   moeut::InputSpec input{.paths = {}, .format = "", .text_field = "text"};
@@ -357,10 +356,10 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const UsageError& e) {
     std::cerr << "moeut-prepare-data: " << e.what() << "\n";
-    return 2;
+    return moeut::kExitConfig;
   } catch (const DataError& e) {
     std::cerr << "moeut-prepare-data: error: " << e.what() << "\n";
-    return kExitDataError;
+    return moeut::kExitDataError;
   } catch (const std::exception& e) {
     std::cerr << "moeut-prepare-data: error: " << e.what() << "\n";
     return 1;

@@ -11,10 +11,13 @@
 
 namespace moeut {
 
-inline bool gpu_available() {
+// GPUs this process sees (0 where the driver answers nothing, as on CI).
+inline int gpu_count() {
   int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
+
+inline bool gpu_available() { return gpu_count() > 0; }
 
 class GpuTest : public ::testing::Test {
  protected:

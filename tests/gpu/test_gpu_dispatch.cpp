@@ -43,11 +43,6 @@ std::unique_ptr<GpuTokenDispatcher> make_dispatcher(Exchange x, Communicator& gr
   return std::make_unique<GpuAllToAllDispatcher>(group, E, max_tokens, d, k, stream);
 }
 
-int devices() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
 // The test's "experts" over `rows` rows x / dy of width d with k slots each (global expert ids,
 // -1 for a slot that is not computed here): outputs Σ_j w_j·(e_j + 1)·x, input gradients
 // Σ_j w_j·(e_j + 1)·dy, routing-weight gradients (e_j + 1)·Σ dy.
@@ -90,7 +85,7 @@ void upload(float* p, const std::vector<float>& v, cudaStream_t stream) {
 }
 
 void check_dispatch(Routing routing, Exchange exchange) {
-  if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  if (gpu_count() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
   const int ranks = world_size(), me = world_rank();
   const int64_t E = 7, k = 3, d = 16;  // 7 experts: uneven over 2 or 4 ranks
@@ -178,7 +173,7 @@ TEST(GpuDispatch, AllGatherARankWithNoTokensStillTakesPart) { check_dispatch(Rou
 // every rank alike (each is given too many), and the dispatcher still works after. Gathered
 // rows combined before they were awaited are refused too.
 TEST(GpuDispatch, MoreTokensThanPlannedAreRefused) {
-  if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  if (gpu_count() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
   const ProcessGroups host = mpi_process_groups(MPI_COMM_WORLD, world_size());
   cudaStream_t stream;

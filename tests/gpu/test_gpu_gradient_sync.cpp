@@ -23,11 +23,6 @@
 namespace moeut {
 namespace {
 
-int devices() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
 // [begin, end) of physical layer g's FFN expert tensors (keys, then values) in the gradient buffer.
 std::pair<int64_t, int64_t> expert_range(const ParamLayout& layout, int64_t g) {
   const TensorSpec& values = layout.at(layer_prefix(g) + "ffn.values");
@@ -59,7 +54,7 @@ class SnapshotSync final : public GpuModel::GradientSync {
 };
 
 TEST(GpuGradientSync, ExpertGradientsAreFinalWhenThePassSaysSo) {
-  if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  if (gpu_count() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
   const ModelConfig cfg = gpu_test::small_config();  // 4 layers, 2 physical: the second repeat defers
   const int64_t B = 2;
@@ -96,7 +91,7 @@ TEST(GpuGradientSync, ExpertGradientsAreFinalWhenThePassSaysSo) {
 
 TEST(GpuGradientSync, ReducingExpertsInTheBackwardUpdatesAsTheStepDoes) {
   if (world_size() < 2) GTEST_SKIP() << "needs two ranks or more (mpirun -np 2)";
-  if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  if (gpu_count() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
   const ModelConfig cfg = gpu_test::small_config();
   const ParamLayout layout(cfg);  // every expert on every rank: ep 1, the experts' data-parallel group the world

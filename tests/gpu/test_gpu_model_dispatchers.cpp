@@ -20,11 +20,6 @@
 namespace moeut {
 namespace {
 
-int devices() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
 // A factory of GpuDispatcher D over `exchange`, for cfg's FFN layers.
 template <class D>
 GpuDispatcherFactory factory(Communicator& exchange, const ModelConfig& cfg) {
@@ -36,7 +31,7 @@ GpuDispatcherFactory factory(Communicator& exchange, const ModelConfig& cfg) {
 // Bounds: see gpu_test::expect_same_steps.
 template <class D>
 void expect_local_results(const char* name, bool graphs) {
-  if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  if (gpu_count() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
   const ModelConfig cfg = gpu_test::small_config(true);  // no routing choice can flip
   const int64_t B = 4;
@@ -82,7 +77,7 @@ TEST(GpuModelDispatchers, AllGatherOnOneRankMatchesLocalDispatch) {
 // about 2^-9 of a partial: their bound here is 1e-3 relative, the gradients' 1e-2 as elsewhere.
 TEST(GpuModelDispatchers, AllGatherAcrossRanksMatchesAllToAll) {
   if (world_size() < 2) GTEST_SKIP() << "skipped: needs mpirun -np 2 or more";
-  if (devices() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  if (gpu_count() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
   const ModelConfig cfg = gpu_test::small_config(true);
   const int64_t B = 4;
