@@ -34,7 +34,7 @@ GpuActivations::GpuActivations(const ModelConfig& cfg, int64_t batch, const GpuT
       *plan = planner.make_buffers();
       ledger.add(Kind::kActivations, plan->device_bytes());
     }
-    for (auto* b : {&L.xb, &L.x_midb, &L.xhat1, &L.xhat2}) activations(*b, N * d);
+    for (auto* b : {&L.xb, &L.xhat1, &L.xhat2}) activations(*b, N * d);
     activations(L.qk, N * 2 * hd);
     activations(L.v, N * hd);
     activations(L.heads, N * hd);
@@ -42,6 +42,11 @@ GpuActivations::GpuActivations(const ModelConfig& cfg, int64_t batch, const GpuT
     activations(L.hidden, hidden);
     L.route = dispatcher.make_route();
     ledger.add(Kind::kExchange, L.route->device_bytes());
+    L.x_mid = dispatcher.token_rows(*L.route);
+    if (!L.x_mid) {
+      activations(L.x_mid_own, N * d);
+      L.x_mid = L.x_mid_own.get();
+    }
     for (auto* b : {&L.rstd1, &L.rstd2}) activations(*b, N);
     activations(L.lse, N * H);
     for (auto* b : {&L.zv, &L.zo}) activations(*b, N * he);
@@ -79,7 +84,11 @@ GpuActivations::GpuActivations(const ModelConfig& cfg, int64_t batch, const GpuT
   zero(dzb);  // its padding stays zero
   workspace(dheads_f32, N * hd);
   workspace(att_dw_staging, N * hk * 128);  // positions x 128 (see CvmmWeightGradArgs::staging)
-  workspace(dresb, N * d);
+  dresb = dispatcher.grad_rows();
+  if (!dresb) {
+    workspace(dresb_own, N * d);
+    dresb = dresb_own.get();
+  }
   workspace(dhidden, hidden);
   workspace(dv, N * hd);
   attn_in_ld = router_rows_ld(2 * hd + 2 * he);  // rows 16-byte multiples, for cuBLAS's aligned kernels

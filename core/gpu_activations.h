@@ -26,10 +26,12 @@ struct GpuLayerActivations {
   using Buffer = cuda::DeviceBuffer<T>;
   // qk: q's and k's rows side by side, [N, 2·H·dh], as one product writes them; v: the values
   // [N, H·dh], kept for the backward (so that it need not sum them again).
-  // xb, x_midb: the residual entering the layer and after its attention, in bf16 (the value and
-  // FFN experts' input); xhat1, xhat2: LN1's and LN2's x̂ in bf16, which their backward reads.
-  // hidden: the FFN experts' hidden units [M·k, ff_expert_size].
-  Buffer<bf16> qk, v, heads, xb, x_midb, xhat1, xhat2, hidden;
+  // xb, x_mid: the residual entering the layer and after its attention, in bf16 (the value and
+  // FFN experts' input); x_mid lies where the dispatcher reads its rows (token_rows), in
+  // x_mid_own where it names no place. xhat1, xhat2: LN1's and LN2's x̂ in bf16, which their
+  // backward reads. hidden: the FFN experts' hidden units [M·k, ff_expert_size].
+  Buffer<bf16> qk, v, heads, xb, x_mid_own, xhat1, xhat2, hidden;
+  bf16* x_mid = nullptr;
   // The value experts' unweighted rows, one per selection [N·H·ka, dh] (see cuda::at_selections):
   // the values are summed from them, and their routing-weight gradient dots them.
   Buffer<bf16> v_sel;
@@ -71,11 +73,14 @@ struct GpuActivations {
   // (see GpuModel::WeightGradTurn); none when every physical layer is used once.
   Buffer<bf16> deferred_dy, deferred_dhidden;
   // Backward scratch, shared by the layers: the residual's gradient (fp32, and its bf16 copy
-  // dresb), the output LayerNorm's, the routing weights', the attention heads' in fp32.
+  // dresb, which lies where the dispatcher reads the FFN's output gradients (grad_rows), in
+  // dresb_own where it names no place), the output LayerNorm's, the routing weights', the
+  // attention heads' in fp32.
   Buffer<float> dres, dxf, dw, dheads_f32;
+  bf16* dresb = nullptr;
   // dxn: a LayerNorm output's gradient, as the products that read the output give it (bf16, as
   // their other activations: the LayerNorm backward reads it once).
-  Buffer<bf16> dresb, dhidden, dzb, dv, dxn;
+  Buffer<bf16> dresb_own, dhidden, dzb, dv, dxn;
   // The attention experts' weight gradients lay out their per-selection operand here, weighted
   // and by position (see cuda::CvmmWeightGradArgs::staging).
   Buffer<bf16> att_dw_staging;

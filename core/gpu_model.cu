@@ -237,13 +237,13 @@ void GpuModel::ffn_forward(int64_t l) {
   float* y = act_->residual.get();  // the FFN experts add into it in place
   mark(Part::kOther);
   cuda::layernorm_forward(act_->xn.get(), L.rstd2.get(), y, P.ln2_weight, P.ln2_bias, N, d, stream_,
-                          L.x_midb.get(), backward_ ? L.xhat2.get() : nullptr);
+                          L.x_mid, backward_ ? L.xhat2.get() : nullptr);
   route(act_->xn.get(), routers_[g].ffn.get(),
         {{.groups = 1, .E = Ef, .k = kf, .z = L.z.get(), .index = L.i_ff.get(), .w = L.w_ff.get(),
           .means = reg_means(*reg_ffn_, l, L.z_lse.get()), .load_offset = load_layout_.offset(g, ExpertKind::kFfn)}});
   mark(Part::kExperts);
   L.experts = dispatcher_->dispatch(
-      *L.route, {.x = L.x_midb.get(), .index = L.i_ff.get(), .weight = L.w_ff.get(), .rows = N, .out = y});
+      *L.route, {.x = L.x_mid, .index = L.i_ff.get(), .weight = L.w_ff.get(), .rows = N, .out = y});
   experts_forward(l);
   dispatcher_->combine(*L.route);
 }
@@ -379,7 +379,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass, GradientSync* sync) 
     MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->dres.get(), 0, act_->dres.size() * sizeof(float), stream_));
     cuda::layernorm_backward(act_->dres.get(), param_grads_.out_norm_weight, param_grads_.out_norm_bias,
                              act_->dxf.get(), act_->xhat_f.get(), params_.out_norm_weight, act_->rstd_f.get(), N, d,
-                             stream_, act_->dresb.get());
+                             stream_, act_->dresb);
     GpuTokenDispatcher::GradRows ffn_grads = dispatch_ffn_grad(cfg_.n_layers - 1);
     for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
       const NvtxRange range(layer_range_names_[l].backward.c_str());
@@ -438,7 +438,7 @@ GpuTokenDispatcher::GradRows GpuModel::dispatch_ffn_grad(int64_t l) {
   MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->dw.get(), 0, size_t(N * kf) * sizeof(float), stream_));
   mark(Part::kExperts);
   return dispatcher_->dispatch_grad(*act_->layers[l].route,
-                                    {.dy = act_->dresb.get(), .dx = act_->dres.get(), .dw = act_->dw.get()});
+                                    {.dy = act_->dresb, .dx = act_->dres.get(), .dw = act_->dw.get()});
 }
 
 void GpuModel::ffn_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads) {
@@ -462,7 +462,7 @@ void GpuModel::ffn_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads
   // LN2's backward also writes LN2's output again (bit for bit the forward's) into act_->xn, for the
   // router's weight gradient.
   cuda::layernorm_backward(act_->dres.get(), dP.ln2_weight, dP.ln2_bias, act_->dxn.get(), L.xhat2.get(), P.ln2_weight,
-                           L.rstd2.get(), N, d, stream_, act_->dresb.get(), P.ln2_bias, act_->xn.get());
+                           L.rstd2.get(), N, d, stream_, act_->dresb, P.ln2_bias, act_->xn.get());
   mark(Part::kDense);
   dense_->weight_grad(act_->dzb.get(), ld, act_->xn.get(), ffn_router_grad(g), N, ld);
 }
@@ -560,11 +560,11 @@ void GpuModel::attention_backward(int64_t l) {
   // LayerNorm backward below writes dresb again.
   side_->fork();
   cuda::cvmm_weight_grad(L.plan_o.view(),
-                         {.A = L.heads.get(), .B = act_->dresb.get(), .weight = L.wo.get(), .a_by_in_row = true,
+                         {.A = L.heads.get(), .B = act_->dresb, .weight = L.wo.get(), .a_by_in_row = true,
                           .dW = dP.o, .K = dh, .N = d, .n_experts = H * Ea, .staging = act_->att_dw_staging.get()},
                          side_->get());
   cuda::cvmm_rows(L.plan_o.view(true),
-                  {.X = act_->dresb.get(),
+                  {.X = act_->dresb,
                    .W = P.o,
                    .weight = L.wo.get(),
                    .out = nullptr,
@@ -613,7 +613,7 @@ void GpuModel::attention_backward(int64_t l) {
   // dresb for the layer below (none below the first: the embedding's gradient reads dres), and
   // LN1's output again (bit for bit the forward's) into act_->xn for the weight gradients.
   cuda::layernorm_backward(act_->dres.get(), dP.ln1_weight, dP.ln1_bias, act_->dxn.get(), L.xhat1.get(), P.ln1_weight,
-                           L.rstd1.get(), N, d, stream_, l > 0 ? act_->dresb.get() : nullptr, P.ln1_bias,
+                           L.rstd1.get(), N, d, stream_, l > 0 ? act_->dresb : nullptr, P.ln1_bias,
                            act_->xn.get());
   // The value experts' weight gradient runs on the side stream beside this layer's dense weight
   // gradients and the next layer's FFN backward, whose join comes before act_->dv is written again.

@@ -37,9 +37,10 @@ __global__ void unpack_routing(int32_t* index, float* weight, const int32_t* met
 }
 
 // One block per token n of this rank: out[n] += Σ_r partial_r[n] in rank order, rank `rank`'s
-// own from `own` (fp32, its rows at rank·max_tokens) and the others' from `back` (bf16, rank r's
-// at r·max_tokens), four columns a thread (d a multiple of 4); likewise slots_out[n] += Σ_r slot
-// partials when slots_out is given.
+// own from `own` (fp32, its rows at rank·max_tokens) and the others' from `back` (bf16, packed
+// without this rank's: rank r's at (r < rank ? r : r − 1)·max_tokens), four columns a thread (d a
+// multiple of 4); likewise slots_out[n] += Σ_r slot partials (rank r's at r·max_tokens in both)
+// when slots_out is given.
 __global__ void add_partials(float* out, float* slots_out, const bf16* back, const float* own,
                              const float* back_slots, const float* own_slots, int max_tokens, int d, int k, int ranks,
                              int rank) {
@@ -47,11 +48,11 @@ __global__ void add_partials(float* out, float* slots_out, const bf16* back, con
   for (int c = threadIdx.x * 4; c < d; c += blockDim.x * 4) {
     float4 acc = *reinterpret_cast<const float4*>(out + n * d + c);
     for (int r = 0; r < ranks; ++r) {
-      const int64_t at = (int64_t(r) * max_tokens + n) * d + c;
       float4 v;
       if (r == rank) {
-        v = *reinterpret_cast<const float4*>(own + at);
+        v = *reinterpret_cast<const float4*>(own + (int64_t(r) * max_tokens + n) * d + c);
       } else {
+        const int64_t at = (int64_t(r < rank ? r : r - 1) * max_tokens + n) * d + c;
         const uint2 raw = *reinterpret_cast<const uint2*>(back + at);
         const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
         const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
@@ -99,8 +100,8 @@ GpuAllGatherDispatcher::GpuAllGatherDispatcher(Communicator& expert_parallel, in
       rows_f32_(size_t(max_rows() * d)),
       dw_(size_t(max_rows() * k)),
       back_dw_(size_t(max_rows() * k)),
-      send_(size_t(max_rows() * d)),
-      back_(size_t(max_rows() * d)),
+      send_(size_t((ranks_ - 1) * max_tokens * d)),
+      back_(size_t((ranks_ - 1) * max_tokens * d)),
       dy_(size_t(max_rows() * d)) {
   if (d % 4 != 0) throw std::invalid_argument("GpuAllGatherDispatcher: d_model must be a multiple of 4");
 }
@@ -113,8 +114,10 @@ std::unique_ptr<GpuTokenDispatcher::Route> GpuAllGatherDispatcher::make_route() 
   return r;
 }
 
-std::vector<int64_t> GpuAllGatherDispatcher::chunks(int64_t width) const {
-  return std::vector<int64_t>(size_t(ranks_), max_tokens_ * width);
+std::vector<int64_t> GpuAllGatherDispatcher::chunks(int64_t width, bool to_others) const {
+  std::vector<int64_t> c(size_t(ranks_), max_tokens_ * width);
+  if (to_others) c[size_t(rank_)] = 0;
+  return c;
 }
 
 GpuTokenDispatcher::Rows GpuAllGatherDispatcher::dispatch(Route& made, const Rows& in) {
@@ -126,7 +129,7 @@ GpuTokenDispatcher::Rows GpuAllGatherDispatcher::dispatch(Route& made, const Row
   route.tokens = in.rows;
   route.out = in.out;
   const int64_t mine = rank_ * max_tokens_, M = max_rows();
-  copy_rows(route.x.get() + mine * d_, in.x, in.rows * d_, stream_);
+  if (in.x != token_rows(route)) copy_rows(token_rows(route), in.x, in.rows * d_, stream_);
   stage_routing<<<unsigned((max_tokens_ * k_ + 255) / 256), 256, 0, stream_>>>(
       meta_.get() + mine * 2 * k_, in.index, in.weight, int(in.rows), int(max_tokens_), int(k_));
   MOEUT_CUDA_CHECK(cudaGetLastError());
@@ -157,11 +160,12 @@ void GpuAllGatherDispatcher::check_awaited(const char* call) const {
 }
 
 void GpuAllGatherDispatcher::return_partials(float* out, float* slots_out, int64_t tokens, bool backward) {
-  // Only the other ranks' rows travel; this rank's own partials are added from rows_f32_.
+  // Only the other ranks' rows travel, packed in rank order without this rank's (a chunk of none
+  // for itself); its own partials are added from rows_f32_ in fp32.
   const int64_t mine = rank_ * max_tokens_ * d_, after = mine + max_tokens_ * d_;
   cuda::to_bf16(send_.get(), rows_f32_.get(), mine, stream_);
-  cuda::to_bf16(send_.get() + after, rows_f32_.get() + after, max_rows() * d_ - after, stream_);
-  comm_.all_to_all_v(bits(send_.get()), chunks(d_), bits(back_.get()), chunks(d_));
+  cuda::to_bf16(send_.get() + mine, rows_f32_.get() + after, max_rows() * d_ - after, stream_);
+  comm_.all_to_all_v(bits(send_.get()), chunks(d_, true), bits(back_.get()), chunks(d_, true));
   bytes_sent_ += (ranks_ - 1) * max_tokens_ * d_ * int64_t(sizeof(bf16));
   if (backward) {
     comm_.all_to_all_v(dw_.get(), chunks(k_), back_dw_.get(), chunks(k_));
@@ -184,7 +188,7 @@ GpuTokenDispatcher::GradRows GpuAllGatherDispatcher::dispatch_grad(Route& made, 
   Gathered& route = static_cast<Gathered&>(made);
   route.grads = grads;
   const int64_t M = max_rows();
-  copy_rows(dy_.get() + rank_ * max_tokens_ * d_, grads.dy, route.tokens * d_, stream_);
+  if (grads.dy != grad_rows()) copy_rows(grad_rows(), grads.dy, route.tokens * d_, stream_);
   comm_.defer_joins();  // joined in await, as dispatch's rows
   comm_.all_gather_v(std::span<uint16_t>(bits(dy_.get()), size_t(M * d_)), chunks(d_));
   arriving_ = &route;

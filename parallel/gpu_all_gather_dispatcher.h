@@ -8,7 +8,9 @@
 //
 // The routing travels first and the rows after it, so that the experts' plan is built while the
 // rows arrive (await). Rows: the gathered buffer holds rank r's tokens at rows [r·max_tokens,
-// r·max_tokens + N_r); rows past a rank's N_r carry no selection (index -1). Backward: output
+// r·max_tokens + N_r); rows past a rank's N_r carry no selection (index -1). A caller that writes
+// its rows where token_rows says (its output gradients where grad_rows says) spares their copy.
+// Backward: output
 // gradients are gathered the same way, also awaited; input gradients go back in bf16 and
 // routing-weight gradients in fp32.
 #pragma once
@@ -42,6 +44,10 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   void combine(Route& route) override;
   GradRows dispatch_grad(Route& route, const GradRows& grads) override;
   void combine_grad(Route& route) override;
+  __nv_bfloat16* token_rows(Route& route) const override {
+    return static_cast<Gathered&>(route).x.get() + rank_ * max_tokens_ * d_;
+  }
+  __nv_bfloat16* grad_rows() const override { return dy_.get() + rank_ * max_tokens_ * d_; }
   int64_t bytes_sent() const override { return bytes_sent_; }
   int64_t device_bytes() const override {
     return meta_.bytes() + rows_f32_.bytes() + dw_.bytes() + send_.bytes() + back_.bytes() + back_dw_.bytes() +
@@ -59,8 +65,9 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
     GradRows grads{};
     int64_t device_bytes() const override { return x.bytes() + index.bytes() + weight.bytes(); }
   };
-  // Every rank's chunk of `width` elements a row, max_tokens rows each.
-  std::vector<int64_t> chunks(int64_t width) const;
+  // Every rank's chunk of `width` elements a row, max_tokens rows each; to_others: none for
+  // this rank (the partials' rows, which travel packed without it).
+  std::vector<int64_t> chunks(int64_t width, bool to_others = false) const;
   // Refuses `call` while a dispatch's rows are arriving (a caller's error: the exchanges would
   // no longer be joined in order).
   void check_awaited(const char* call) const;
@@ -81,7 +88,7 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   cuda::DeviceBuffer<int32_t> meta_;  // [max_rows, 2k]: global ids (-1: padding), then weights' bits
   // The experts' side, shared by the layers (each combines before the next dispatches): their
   // outputs or input gradients (fp32), their routing-weight gradients, the bf16 partials going
-  // back and those coming back, the gathered output gradients.
+  // back and those coming back (the other ranks' rows only), the gathered output gradients.
   cuda::DeviceBuffer<float> rows_f32_, dw_, back_dw_;
   cuda::DeviceBuffer<__nv_bfloat16> send_, back_, dy_;
 };
