@@ -27,7 +27,15 @@ GpuActivations::GpuActivations(const ModelConfig& cfg, int64_t batch, const GpuT
 
   workspace(inputs, N);
   workspace(targets, N);
-  activations(residual, N * d);
+  // The token rows the dispatcher offers to keep where its exchange reads and adds them.
+  const GpuTokenDispatcher::Places places = dispatcher.places();
+  auto place = [&]<typename T>(T*& at, T* offered, Buffer<T>& own, Kind kind) {
+    at = offered;
+    if (at) return;
+    own = ledger.allocate<T>(kind, size_t(N * d));
+    at = own.get();
+  };
+  place(residual, places.out, residual_own, Kind::kActivations);
   layers.resize(size_t(cfg.n_layers));
   for (GpuLayerActivations& L : layers) {
     for (auto* plan : {&L.plan_v, &L.plan_o, &L.plan_ff}) {
@@ -42,11 +50,7 @@ GpuActivations::GpuActivations(const ModelConfig& cfg, int64_t batch, const GpuT
     activations(L.hidden, hidden);
     L.route = dispatcher.make_route();
     ledger.add(Kind::kExchange, L.route->device_bytes());
-    L.x_mid = dispatcher.token_rows(*L.route);
-    if (!L.x_mid) {
-      activations(L.x_mid_own, N * d);
-      L.x_mid = L.x_mid_own.get();
-    }
+    place(L.x_mid, dispatcher.token_rows(*L.route), L.x_mid_own, Kind::kActivations);
     for (auto* b : {&L.rstd1, &L.rstd2}) activations(*b, N);
     activations(L.lse, N * H);
     for (auto* b : {&L.zv, &L.zo}) activations(*b, N * he);
@@ -73,7 +77,7 @@ GpuActivations::GpuActivations(const ModelConfig& cfg, int64_t batch, const GpuT
   reg_loss_host = cuda::PinnedBuffer<double>(2);
   rstd_f_host = cuda::PinnedBuffer<float>(size_t(N));
   workspace(reg_loss, 2);
-  workspace(dres, N * d);
+  place(dres, places.dx, dres_own, Kind::kWorkspace);
   workspace(dxf, N * d);
   workspace(dxn, N * d);
   workspace(dw, N * std::max(kf, hk));
@@ -84,11 +88,7 @@ GpuActivations::GpuActivations(const ModelConfig& cfg, int64_t batch, const GpuT
   zero(dzb);  // its padding stays zero
   workspace(dheads_f32, N * hd);
   workspace(att_dw_staging, N * hk * 128);  // positions x 128 (see CvmmWeightGradArgs::staging)
-  dresb = dispatcher.grad_rows();
-  if (!dresb) {
-    workspace(dresb_own, N * d);
-    dresb = dresb_own.get();
-  }
+  place(dresb, places.dy, dresb_own, Kind::kWorkspace);
   workspace(dhidden, hidden);
   workspace(dv, N * hd);
   attn_in_ld = router_rows_ld(2 * hd + 2 * he);  // rows 16-byte multiples, for cuBLAS's aligned kernels

@@ -61,8 +61,11 @@ struct GpuActivations {
   std::vector<GpuLayerActivations> layers;  // per logical layer
   Buffer<int32_t> inputs, targets;          // the staged batch [N]
   // The residual stream, which the output experts and the FFN experts add into in place: a
-  // layer's backward reads its LayerNorms' x̂ and its bf16 copies, never the fp32 residual.
-  Buffer<float> residual;
+  // layer's backward reads its LayerNorms' x̂ and its bf16 copies, never the fp32 residual. It
+  // lies where the dispatcher adds this rank's expert outputs (places().out), in residual_own
+  // where it names no place.
+  Buffer<float> residual_own;
+  float* residual = nullptr;
   Buffer<bf16> xf, xhat_f;  // the output LayerNorm's output and x̂
   Buffer<float> rstd_f, row_loss;
   // A layer's LayerNorm output (bf16), for the products that read it; in the backward pass the
@@ -72,11 +75,12 @@ struct GpuActivations {
   // Per physical layer, a deferring use's output gradient [M, d] and hidden-unit gradient
   // (see GpuModel::WeightGradTurn); none when every physical layer is used once.
   Buffer<bf16> deferred_dy, deferred_dhidden;
-  // Backward scratch, shared by the layers: the residual's gradient (fp32, and its bf16 copy
-  // dresb, which lies where the dispatcher reads the FFN's output gradients (grad_rows), in
-  // dresb_own where it names no place), the output LayerNorm's, the routing weights', the
-  // attention heads' in fp32.
-  Buffer<float> dres, dxf, dw, dheads_f32;
+  // Backward scratch, shared by the layers: the residual's gradient dres (fp32) and its bf16
+  // copy dresb, which lie where the dispatcher adds the FFN experts' input gradients and reads
+  // their output gradients (places().dx, .dy; in dres_own, dresb_own where it names none), the
+  // output LayerNorm's, the routing weights', the attention heads' in fp32.
+  Buffer<float> dres_own, dxf, dw, dheads_f32;
+  float* dres = nullptr;
   bf16* dresb = nullptr;
   // dxn: a LayerNorm output's gradient, as the products that read the output give it (bf16, as
   // their other activations: the LayerNorm backward reads it once).

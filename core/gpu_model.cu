@@ -189,7 +189,7 @@ void GpuModel::attention_forward(int64_t l) {
   mark(Part::kOther);
   // xb: the raw residual in bf16, which the value experts read (the output experts then add into
   // the residual in place).
-  cuda::layernorm_forward(act_->xn.get(), L.rstd1.get(), act_->residual.get(), P.ln1_weight, P.ln1_bias, N, d, stream_,
+  cuda::layernorm_forward(act_->xn.get(), L.rstd1.get(), act_->residual, P.ln1_weight, P.ln1_bias, N, d, stream_,
                           L.xb.get(), backward_ ? L.xhat1.get() : nullptr);
   // The value and output routers (adjacent in the layout) in one product. Their top-ks and plans,
   // small kernels bound by latency, run on the side stream beside q, k and RoPE; the output
@@ -224,7 +224,7 @@ void GpuModel::attention_forward(int64_t l) {
   side_->join();
   cuda::cvmm_rows(L.plan_o.view(),
                   {.X = L.heads.get(), .W = P.o, .weight = L.wo.get(), .out = nullptr,
-                   .out_f32 = act_->residual.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
+                   .out_f32 = act_->residual, .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
                    .transpose_w = false, .accumulate = true, .out_rows = N},
                   stream_);
 }
@@ -234,7 +234,7 @@ void GpuModel::ffn_forward(int64_t l) {
   const int64_t g = l % cfg_.group_size;
   const LayerTensors<bf16>& P = params_.layers[g];
   const int64_t N = B_ * cfg_.context, d = cfg_.d_model, Ef = cfg_.ff_n_experts, kf = cfg_.ff_k;
-  float* y = act_->residual.get();  // the FFN experts add into it in place
+  float* y = act_->residual;  // the FFN experts add into it in place
   mark(Part::kOther);
   cuda::layernorm_forward(act_->xn.get(), L.rstd2.get(), y, P.ln2_weight, P.ln2_bias, N, d, stream_,
                           L.x_mid, backward_ ? L.xhat2.get() : nullptr);
@@ -342,7 +342,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass, GradientSync* sync) 
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(act_->targets.get(), act_->targets_host.get(), size_t(N) * sizeof(int32_t),
                                    cudaMemcpyHostToDevice, stream_));
   copy_weights(backward);
-  cuda::embedding_forward(act_->residual.get(), act_->inputs.get(), params_.embedding, N, d, stream_);
+  cuda::embedding_forward(act_->residual, act_->inputs.get(), params_.embedding, N, d, stream_);
   if (regularised_) {
     mark(Part::kRouting);
     for (cuda::EntropyReg* reg : {reg_ffn_.get(), reg_att_v_.get(), reg_att_o_.get()}) reg->clear(stream_);
@@ -364,7 +364,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass, GradientSync* sync) 
     reg_att_o_->finish(g, weight * cfg_.att_entropy_reg, act_->reg_loss.get() + 1, side_->get());
   }
   mark(Part::kOther);
-  cuda::layernorm_forward(act_->xf.get(), act_->rstd_f.get(), act_->residual.get(), params_.out_norm_weight,
+  cuda::layernorm_forward(act_->xf.get(), act_->rstd_f.get(), act_->residual, params_.out_norm_weight,
                           params_.out_norm_bias, N, d, stream_, nullptr, backward ? act_->xhat_f.get() : nullptr);
   // The cross-entropy gradient starts the backward pass at the output LayerNorm.
   mark(Part::kDense);
@@ -376,8 +376,8 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass, GradientSync* sync) 
   if (backward) {
     pass_clock_.mark(PassClock::kBackward);
     mark(Part::kOther);
-    MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->dres.get(), 0, act_->dres.size() * sizeof(float), stream_));
-    cuda::layernorm_backward(act_->dres.get(), param_grads_.out_norm_weight, param_grads_.out_norm_bias,
+    MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->dres, 0, size_t(N * d) * sizeof(float), stream_));
+    cuda::layernorm_backward(act_->dres, param_grads_.out_norm_weight, param_grads_.out_norm_bias,
                              act_->dxf.get(), act_->xhat_f.get(), params_.out_norm_weight, act_->rstd_f.get(), N, d,
                              stream_, act_->dresb);
     GpuTokenDispatcher::GradRows ffn_grads = dispatch_ffn_grad(cfg_.n_layers - 1);
@@ -392,7 +392,7 @@ void GpuModel::enqueue(int64_t B, double weight, Pass pass, GradientSync* sync) 
       attention_weight_grad(l);
     }
     mark(Part::kOther);
-    cuda::embedding_backward(param_grads_.embedding, act_->dres.get(), act_->inputs.get(), N, d, stream_);
+    cuda::embedding_backward(param_grads_.embedding, act_->dres, act_->inputs.get(), N, d, stream_);
     fold_router_grads();
     side_->join();  // the first layer's value-expert weight gradient
     if (sync) sync->pass_end();
@@ -438,7 +438,7 @@ GpuTokenDispatcher::GradRows GpuModel::dispatch_ffn_grad(int64_t l) {
   MOEUT_CUDA_CHECK(cudaMemsetAsync(act_->dw.get(), 0, size_t(N * kf) * sizeof(float), stream_));
   mark(Part::kExperts);
   return dispatcher_->dispatch_grad(*act_->layers[l].route,
-                                    {.dy = act_->dresb, .dx = act_->dres.get(), .dw = act_->dw.get()});
+                                    {.dy = act_->dresb, .dx = act_->dres, .dw = act_->dw.get()});
 }
 
 void GpuModel::ffn_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads) {
@@ -461,7 +461,7 @@ void GpuModel::ffn_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads
   side_->join();  // the experts' weight gradients read dresb (the local dispatcher's dY)
   // LN2's backward also writes LN2's output again (bit for bit the forward's) into act_->xn, for the
   // router's weight gradient.
-  cuda::layernorm_backward(act_->dres.get(), dP.ln2_weight, dP.ln2_bias, act_->dxn.get(), L.xhat2.get(), P.ln2_weight,
+  cuda::layernorm_backward(act_->dres, dP.ln2_weight, dP.ln2_bias, act_->dxn.get(), L.xhat2.get(), P.ln2_weight,
                            L.rstd2.get(), N, d, stream_, act_->dresb, P.ln2_bias, act_->xn.get());
   mark(Part::kDense);
   dense_->weight_grad(act_->dzb.get(), ld, act_->xn.get(), ffn_router_grad(g), N, ld);
@@ -596,7 +596,7 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kExperts);
   cuda::cvmm_rows(L.plan_v.view(true),
                   {.X = act_->dv.get(), .W = P.v, .weight = L.wv.get(), .out = nullptr,
-                   .out_f32 = act_->dres.get(), .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
+                   .out_f32 = act_->dres, .dweight = nullptr, .dot_rows = nullptr, .K = dh, .N = d,
                    .transpose_w = true, .accumulate = true, .out_rows = N},
                   stream_);
   cuda::cvmm_selection_dots(act_->dw.get(), L.v_sel.get(), act_->dv.get(), L.iv.get(), N * H * ka, ka, dh, stream_);
@@ -612,7 +612,7 @@ void GpuModel::attention_backward(int64_t l) {
   mark(Part::kOther);
   // dresb for the layer below (none below the first: the embedding's gradient reads dres), and
   // LN1's output again (bit for bit the forward's) into act_->xn for the weight gradients.
-  cuda::layernorm_backward(act_->dres.get(), dP.ln1_weight, dP.ln1_bias, act_->dxn.get(), L.xhat1.get(), P.ln1_weight,
+  cuda::layernorm_backward(act_->dres, dP.ln1_weight, dP.ln1_bias, act_->dxn.get(), L.xhat1.get(), P.ln1_weight,
                            L.rstd1.get(), N, d, stream_, l > 0 ? act_->dresb : nullptr, P.ln1_bias,
                            act_->xn.get());
   // The value experts' weight gradient runs on the side stream beside this layer's dense weight

@@ -68,12 +68,19 @@ class GpuTokenDispatcher {
   // The expert backward's dx and dw, where dispatch_grad returned them, added into the tokens'.
   virtual void combine_grad(Route& route) = 0;
 
-  // Where the caller may write the bf16 token rows it will dispatch through `route` (dispatch
-  // then copies none: they are already where this rank's experts and the exchange read them),
-  // or null where the caller keeps them in its own buffer. Likewise grad_rows for the output
-  // gradients of every dispatch_grad; both stay valid as long as the dispatcher.
+  // Where the caller may keep its token rows so that the exchange reads and adds them in place
+  // (each null where the caller keeps them in its own buffer; each holds the dispatcher's
+  // max_tokens rows). token_rows: the bf16 rows it will dispatch through `route` (dispatch then
+  // copies none), valid as long as the route. places(): out, the fp32 rows it passes as
+  // dispatch's out, into which the experts then add this rank's own rows' outputs directly; dy
+  // and dx likewise for dispatch_grad; valid as long as the dispatcher.
+  struct Places {
+    float* out;
+    __nv_bfloat16* dy;
+    float* dx;
+  };
   virtual __nv_bfloat16* token_rows(Route&) const { return nullptr; }
-  virtual __nv_bfloat16* grad_rows() const { return nullptr; }
+  virtual Places places() const { return {}; }
 
   virtual int64_t bytes_sent() const = 0;  // to other ranks, since construction
   virtual int64_t device_bytes() const = 0;  // its own buffers (routes report theirs)

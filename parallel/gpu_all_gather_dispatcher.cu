@@ -37,10 +37,10 @@ __global__ void unpack_routing(int32_t* index, float* weight, const int32_t* met
 }
 
 // One block per token n of this rank: out[n] += Σ_r partial_r[n] in rank order, rank `rank`'s
-// own from `own` (fp32, its rows at rank·max_tokens) and the others' from `back` (bf16, packed
-// without this rank's: rank r's at (r < rank ? r : r − 1)·max_tokens), four columns a thread (d a
-// multiple of 4); likewise slots_out[n] += Σ_r slot partials (rank r's at r·max_tokens in both)
-// when slots_out is given.
+// own from `own` (fp32, its rows at rank·max_tokens; none when null: out holds it already) and
+// the others' from `back` (bf16, packed without this rank's: rank r's at (r < rank ? r : r − 1)·
+// max_tokens), four columns a thread (d a multiple of 4); likewise slots_out[n] += Σ_r slot
+// partials (rank r's at r·max_tokens in both) when slots_out is given.
 __global__ void add_partials(float* out, float* slots_out, const bf16* back, const float* own,
                              const float* back_slots, const float* own_slots, int max_tokens, int d, int k, int ranks,
                              int rank) {
@@ -50,6 +50,7 @@ __global__ void add_partials(float* out, float* slots_out, const bf16* back, con
     for (int r = 0; r < ranks; ++r) {
       float4 v;
       if (r == rank) {
+        if (!own) continue;
         v = *reinterpret_cast<const float4*>(own + (int64_t(r) * max_tokens + n) * d + c);
       } else {
         const int64_t at = (int64_t(r < rank ? r : r - 1) * max_tokens + n) * d + c;
@@ -97,7 +98,8 @@ GpuAllGatherDispatcher::GpuAllGatherDispatcher(Communicator& expert_parallel, in
       k_(k),
       stream_(stream),
       meta_(size_t(max_rows() * 2 * k)),
-      rows_f32_(size_t(max_rows() * d)),
+      out_f32_(size_t(max_rows() * d)),
+      dx_f32_(size_t(max_rows() * d)),
       dw_(size_t(max_rows() * k)),
       back_dw_(size_t(max_rows() * k)),
       send_(size_t((ranks_ - 1) * max_tokens * d)),
@@ -142,9 +144,9 @@ GpuTokenDispatcher::Rows GpuAllGatherDispatcher::dispatch(Route& made, const Row
   unpack_routing<<<unsigned((M * k_ + 255) / 256), 256, 0, stream_>>>(
       route.index.get(), route.weight.get(), meta_.get(), M, int(k_), int(shard_.begin), int(shard_.count));
   MOEUT_CUDA_CHECK(cudaGetLastError());
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(rows_f32_.get(), 0, size_t(rows_f32_.bytes()), stream_));
+  zero_partials(out_f32_.get(), in.out);
   return {.x = route.x.get(), .index = route.index.get(), .weight = route.weight.get(), .rows = M,
-          .out = rows_f32_.get()};
+          .out = out_f32_.get()};
 }
 
 void GpuAllGatherDispatcher::await(Route& route) {
@@ -159,12 +161,23 @@ void GpuAllGatherDispatcher::check_awaited(const char* call) const {
                            " while the last dispatch's rows (or gradients) were not awaited");
 }
 
-void GpuAllGatherDispatcher::return_partials(float* out, float* slots_out, int64_t tokens, bool backward) {
-  // Only the other ranks' rows travel, packed in rank order without this rank's (a chunk of none
-  // for itself); its own partials are added from rows_f32_ in fp32.
+void GpuAllGatherDispatcher::zero_partials(float* partials, const float* out) {
   const int64_t mine = rank_ * max_tokens_ * d_, after = mine + max_tokens_ * d_;
-  cuda::to_bf16(send_.get(), rows_f32_.get(), mine, stream_);
-  cuda::to_bf16(send_.get() + mine, rows_f32_.get() + after, max_rows() * d_ - after, stream_);
+  if (out != partials + mine) {
+    MOEUT_CUDA_CHECK(cudaMemsetAsync(partials, 0, size_t(max_rows() * d_) * sizeof(float), stream_));
+    return;
+  }
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(partials, 0, size_t(mine) * sizeof(float), stream_));
+  MOEUT_CUDA_CHECK(cudaMemsetAsync(partials + after, 0, size_t(max_rows() * d_ - after) * sizeof(float), stream_));
+}
+
+void GpuAllGatherDispatcher::return_partials(float* partials, float* out, float* slots_out, int64_t tokens,
+                                             bool backward) {
+  // Only the other ranks' rows travel, packed in rank order without this rank's (a chunk of none
+  // for itself); its own partials are added from `partials` in fp32, or are in out already.
+  const int64_t mine = rank_ * max_tokens_ * d_, after = mine + max_tokens_ * d_;
+  cuda::to_bf16(send_.get(), partials, mine, stream_);
+  cuda::to_bf16(send_.get() + mine, partials + after, max_rows() * d_ - after, stream_);
   comm_.all_to_all_v(bits(send_.get()), chunks(d_, true), bits(back_.get()), chunks(d_, true));
   bytes_sent_ += (ranks_ - 1) * max_tokens_ * d_ * int64_t(sizeof(bf16));
   if (backward) {
@@ -172,15 +185,16 @@ void GpuAllGatherDispatcher::return_partials(float* out, float* slots_out, int64
     bytes_sent_ += (ranks_ - 1) * max_tokens_ * k_ * int64_t(sizeof(float));
   }
   if (tokens == 0) return;
-  add_partials<<<unsigned(tokens), 128, 0, stream_>>>(out, slots_out, back_.get(), rows_f32_.get(), back_dw_.get(),
-                                                      dw_.get(), int(max_tokens_), int(d_), int(k_), ranks_, rank_);
+  const float* own = out == partials + mine ? nullptr : partials;
+  add_partials<<<unsigned(tokens), 128, 0, stream_>>>(out, slots_out, back_.get(), own, back_dw_.get(), dw_.get(),
+                                                      int(max_tokens_), int(d_), int(k_), ranks_, rank_);
   MOEUT_CUDA_CHECK(cudaGetLastError());
 }
 
 void GpuAllGatherDispatcher::combine(Route& made) {
   const Gathered& route = static_cast<const Gathered&>(made);
   check_awaited("combine");
-  return_partials(route.out, nullptr, route.tokens, false);
+  return_partials(out_f32_.get(), route.out, nullptr, route.tokens, false);
 }
 
 GpuTokenDispatcher::GradRows GpuAllGatherDispatcher::dispatch_grad(Route& made, const GradRows& grads) {
@@ -188,20 +202,20 @@ GpuTokenDispatcher::GradRows GpuAllGatherDispatcher::dispatch_grad(Route& made, 
   Gathered& route = static_cast<Gathered&>(made);
   route.grads = grads;
   const int64_t M = max_rows();
-  if (grads.dy != grad_rows()) copy_rows(grad_rows(), grads.dy, route.tokens * d_, stream_);
+  if (grads.dy != places().dy) copy_rows(places().dy, grads.dy, route.tokens * d_, stream_);
   comm_.defer_joins();  // joined in await, as dispatch's rows
   comm_.all_gather_v(std::span<uint16_t>(bits(dy_.get()), size_t(M * d_)), chunks(d_));
   arriving_ = &route;
   bytes_sent_ += (ranks_ - 1) * max_tokens_ * d_ * int64_t(sizeof(bf16));
-  MOEUT_CUDA_CHECK(cudaMemsetAsync(rows_f32_.get(), 0, size_t(rows_f32_.bytes()), stream_));
+  zero_partials(dx_f32_.get(), grads.dx);
   MOEUT_CUDA_CHECK(cudaMemsetAsync(dw_.get(), 0, size_t(dw_.bytes()), stream_));
-  return {.dy = dy_.get(), .dx = rows_f32_.get(), .dw = dw_.get()};
+  return {.dy = dy_.get(), .dx = dx_f32_.get(), .dw = dw_.get()};
 }
 
 void GpuAllGatherDispatcher::combine_grad(Route& made) {
   check_awaited("combine_grad");
   const Gathered& route = static_cast<const Gathered&>(made);
-  return_partials(route.grads.dx, route.grads.dw, route.tokens, true);
+  return_partials(dx_f32_.get(), route.grads.dx, route.grads.dw, route.tokens, true);
 }
 
 }  // namespace moeut

@@ -8,9 +8,9 @@
 //
 // The routing travels first and the rows after it, so that the experts' plan is built while the
 // rows arrive (await). Rows: the gathered buffer holds rank r's tokens at rows [r·max_tokens,
-// r·max_tokens + N_r); rows past a rank's N_r carry no selection (index -1). A caller that writes
-// its rows where token_rows says (its output gradients where grad_rows says) spares their copy.
-// Backward: output
+// r·max_tokens + N_r); rows past a rank's N_r carry no selection (index -1). A caller that keeps
+// its rows where token_rows and places() say spares their copies, and the experts add its own
+// rows' outputs (input gradients) straight into its out (dx). Backward: output
 // gradients are gathered the same way, also awaited; input gradients go back in bf16 and
 // routing-weight gradients in fp32.
 #pragma once
@@ -47,11 +47,14 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   __nv_bfloat16* token_rows(Route& route) const override {
     return static_cast<Gathered&>(route).x.get() + rank_ * max_tokens_ * d_;
   }
-  __nv_bfloat16* grad_rows() const override { return dy_.get() + rank_ * max_tokens_ * d_; }
+  Places places() const override {
+    const int64_t mine = rank_ * max_tokens_ * d_;
+    return {.out = out_f32_.get() + mine, .dy = dy_.get() + mine, .dx = dx_f32_.get() + mine};
+  }
   int64_t bytes_sent() const override { return bytes_sent_; }
   int64_t device_bytes() const override {
-    return meta_.bytes() + rows_f32_.bytes() + dw_.bytes() + send_.bytes() + back_.bytes() + back_dw_.bytes() +
-           dy_.bytes();
+    return meta_.bytes() + out_f32_.bytes() + dx_f32_.bytes() + dw_.bytes() + send_.bytes() + back_.bytes() +
+           back_dw_.bytes() + dy_.bytes();
   }
 
  private:
@@ -71,12 +74,15 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   // Refuses `call` while a dispatch's rows are arriving (a caller's error: the exchanges would
   // no longer be joined in order).
   void check_awaited(const char* call) const;
-  // rows_f32_'s partial sums of the other ranks' rows to those ranks in bf16, theirs for this
-  // rank's rows back into back_; then out[n] += every rank's partial in rank order, this rank's
-  // own from rows_f32_ in fp32. Backward, dw_'s routing-weight gradients travel too (fp32) and
+  // The partial sums in `partials` (out_f32_ or dx_f32_) of the other ranks' rows to those ranks
+  // in bf16, theirs for this rank's rows back into back_; then out[n] += every rank's partial in
+  // rank order, this rank's own from `partials` in fp32 unless out is its own chunk there (the
+  // experts added it in place). Backward, dw_'s routing-weight gradients travel too (fp32) and
   // are added into slots_out (which may be null on a rank without tokens: every rank of the group
   // makes the same collectives whatever its tokens).
-  void return_partials(float* out, float* slots_out, int64_t tokens, bool backward);
+  void return_partials(float* partials, float* out, float* slots_out, int64_t tokens, bool backward);
+  // Zeroes `partials` but for this rank's chunk when out is that chunk (the caller's rows).
+  void zero_partials(float* partials, const float* out);
 
   Communicator& comm_;
   int ranks_, rank_;
@@ -87,9 +93,10 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   Gathered* arriving_ = nullptr;  // the route whose rows' gather is not yet joined (see await)
   cuda::DeviceBuffer<int32_t> meta_;  // [max_rows, 2k]: global ids (-1: padding), then weights' bits
   // The experts' side, shared by the layers (each combines before the next dispatches): their
-  // outputs or input gradients (fp32), their routing-weight gradients, the bf16 partials going
-  // back and those coming back (the other ranks' rows only), the gathered output gradients.
-  cuda::DeviceBuffer<float> rows_f32_, dw_, back_dw_;
+  // outputs and their input gradients (fp32, [max_rows, d]; this rank's chunk may be the
+  // caller's rows, see places()), their routing-weight gradients, the bf16 partials going back
+  // and those coming back (the other ranks' rows only), the gathered output gradients.
+  cuda::DeviceBuffer<float> out_f32_, dx_f32_, dw_, back_dw_;
   cuda::DeviceBuffer<__nv_bfloat16> send_, back_, dy_;
 };
 
