@@ -3,11 +3,12 @@
 // the pass says so, the last layers first, in eager passes and in replays of captured ones; and
 // reducing the expert buckets there, beside the pass, updates the parameters exactly as reducing
 // them all at the step does (the same reductions of the same values), across the ranks of an
-// expert-data-parallel group (mpirun -np 2 or more).
+// expert-data-parallel group (mpirun -np 2 or more); and that reduction sums each owner's chunk.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -126,6 +127,46 @@ TEST(GpuGradientSync, ReducingExpertsInTheBackwardUpdatesAsTheStepDoes) {
     }
     EXPECT_EQ(norms[1], norms[0]);
     EXPECT_EQ(working[1], working[0]) << "the working copy after the step differs";
+  }
+  MOEUT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// The reduction every ZeRO bucket takes, on the expert-data-parallel group's NCCL communicator:
+// each rank's chunk, in place, becomes the sum of that chunk over the ranks, for equal chunks (one
+// ncclReduceScatter) and chunks one element apart (a reduce per owner). Small integers keep the
+// sums exact in any order.
+TEST(GpuGradientSync, ReduceScatterSumsEachOwnersChunkInPlace) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks or more (mpirun -np 2)";
+  if (gpu_count() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
+  MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
+  const ProcessGroups host = mpi_process_groups(MPI_COMM_WORLD, 1);
+  cudaStream_t stream;
+  MOEUT_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    const NcclProcessGroups groups = nccl_process_groups(host, stream);
+    Communicator& comm = *groups.expert_data_parallel;
+    const int P = comm.size(), me = comm.rank();
+    auto value = [](int rank, int64_t i) { return float((rank + 1) * (i % 97)); };
+    for (const int64_t length : {int64_t(4096) * P, int64_t(4096) * P + 1}) {
+      std::vector<int64_t> chunks;
+      for (int r = 0; r < P; ++r) chunks.push_back(length / P + (r < length % P ? 1 : 0));
+      int64_t mine = 0;
+      for (int r = 0; r < me; ++r) mine += chunks[size_t(r)];
+      std::vector<float> data(static_cast<size_t>(length));
+      for (int64_t i = 0; i < length; ++i) data[size_t(i)] = value(me, i);
+      cuda::DeviceBuffer<float> d(data);
+      comm.reduce_scatter_sum(std::span<const float>(d.get(), size_t(length)),
+                              std::span<float>(d.get() + mine, size_t(chunks[size_t(me)])), chunks);
+      MOEUT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const std::vector<float> out = d.download();
+      int64_t wrong = 0;
+      for (int64_t i = mine; i < mine + chunks[size_t(me)]; ++i) {
+        float want = 0.f;
+        for (int r = 0; r < P; ++r) want += value(r, i);
+        wrong += out[size_t(i)] != want;
+      }
+      EXPECT_EQ(wrong, 0) << "elements of rank " << me << "'s chunk not the sum, bucket of " << length;
+    }
   }
   MOEUT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
