@@ -458,7 +458,7 @@ void GpuModel::ffn_backward(int64_t l, const GpuTokenDispatcher::GradRows& grads
   mark(Part::kDense);
   dense_->input_grad(act_->dzb.get(), ld, routers_[g].ffn.get(), ld, N, act_->dxn.get());
   mark(Part::kOther);
-  side_->join();  // the experts' weight gradients read dresb (the local dispatcher's dY)
+  side_->join();  // the experts' weight gradients read dY, which is dresb or holds it
   // LN2's backward also writes LN2's output again (bit for bit the forward's) into act_->xn, for the
   // router's weight gradient.
   cuda::layernorm_backward(act_->dres, dP.ln2_weight, dP.ln2_bias, act_->dxn.get(), L.xhat2.get(), P.ln2_weight,
