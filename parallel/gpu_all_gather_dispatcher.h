@@ -8,11 +8,11 @@
 //
 // The routing travels first and the rows after it, so that the experts' plan is built while the
 // rows arrive (await). Rows: the gathered buffer holds rank r's tokens at rows [r·max_tokens,
-// r·max_tokens + N_r); rows past a rank's N_r carry no selection (index -1). A caller that keeps
-// its rows where token_rows and places() say spares their copies, and the experts add its own
-// rows' outputs (input gradients) straight into its out (dx). Backward: output
+// r·max_tokens + N_r); rows past a rank's N_r carry no selection (index -1). Backward: output
 // gradients are gathered the same way, also awaited; input gradients go back in bf16 and
-// routing-weight gradients in fp32.
+// routing-weight gradients in fp32. A caller that keeps its rows where token_rows and places()
+// say spares their copies, and the experts add its own rows' outputs (input gradients) straight
+// into its out (dx).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
