@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # launch/moeut-scaling on CPU ranks: a weak-scaling sweep of the small model over 1 and 2 ranks at
 # every ep gives a CSV and a table with every point ok (the one-rank point at efficiency 1), and
-# two PNG plots; a GPU point's memory is read from its log; the projection from the 4-H100 measurements holds each within 10%; an unknown key in
-# a sweep file is refused, naming it.
+# two PNG plots; a GPU point's memory is read from its log; the projection from the 4-H100
+# measurements holds each within 10%, counts the all-gather dispatcher's exchange to every rank,
+# and refuses a study mixing dispatchers; an unknown key in a sweep file is refused, naming it.
 # Usage: scaling_sweep.sh BIN_DIR WORK_DIR (the sweep launches with the mpirun on PATH)
 set -euo pipefail
 bin=$1 work=$2
@@ -31,7 +32,8 @@ SWEEP
 [ "$(wc -l < "$work/out/points.csv")" = 4 ] || fail "points.csv: $(cat "$work/out/points.csv")"
 [ "$(grep -c ',ok$' "$work/out/points.csv")" = 3 ] || fail "not every point ok: $(cat "$work/out/points.csv")"
 grep -q "^1,1,1,2,2,6,.*,1,.*,ok$" "$work/out/points.csv" || fail "one-rank point: $(sed -n 2p "$work/out/points.csv")"
-grep -q "^| 2 | 2 | 1 | 4 | " "$work/out/table.md" || fail "table.md: $(cat "$work/out/table.md")"
+grep -q "^| 2 | 2 | 1 | 4 | all_to_all | " "$work/out/table.md" || fail "table.md: $(cat "$work/out/table.md")"
+grep -q "^2,1,2,4,2,6,local," "$work/out/points.csv" || fail "ep 1's dispatcher: $(cat "$work/out/points.csv")"
 if "$python" -c "import matplotlib" 2> /dev/null; then
   for png in scaling loss; do
     is_png "$work/out/$png.png" || fail "$png.png is not a PNG"
@@ -60,6 +62,24 @@ CSV
   > "$work/projection.txt" 2>&1 || fail "projection: $(tail -3 "$work/projection.txt")"
 grep -q "^| 64 | 1 | " "$work/h100/projection.md" || fail "projection.md has no 64-GPU ep 1 row"
 [ "$(grep -c "^512," "$work/h100/projection.csv")" -ge 4 ] || fail "projection.csv: $(cat "$work/h100/projection.csv")"
+# The same points as run by the all-gather dispatcher: every row goes to every rank of the group,
+# so past a node (ep 64: a token's experts hit about a third of the other ranks) its exchange is
+# projected larger than the all-to-all's; and one study may not mix dispatchers.
+mkdir -p "$work/gather" "$work/mixed"
+awk -F, -v OFS=, 'NR == 1 { $5 = $5 ",dispatcher" } NR > 1 { $5 = $5 "," ($2 > 1 ? "all_gather" : "local") } 1' \
+  "$work/h100/points.csv" > "$work/gather/points.csv"
+"$python" "$root/launch/moeut-scaling" --project "$work/gather" --profile "$root/configs/1B.cfg" --gpus 512 \
+  > "$work/gather.txt" 2>&1 || fail "all-gather projection: $(tail -3 "$work/gather.txt")"
+grep -q "token exchange (all_gather)" "$work/gather.txt" || fail "the projection does not name its dispatcher"
+exchange_at_ep64() { awk -F, 'NR == 1 { for (i = 1; i <= NF; ++i) c[$i] = i } $1 == 512 && $2 == 64 { print $c["exchange_ms"] }' "$1"; }
+a2a=$(exchange_at_ep64 "$work/h100/projection.csv") gather=$(exchange_at_ep64 "$work/gather/projection.csv")
+awk -v a="$a2a" -v g="$gather" 'BEGIN { exit !(g > 1.5 * a) }' ||
+  fail "512 GPUs at ep 64: all-gather exchange $gather ms against the all-to-all's $a2a ms"
+sed '$ s/,all_gather,/,all_to_all,/' "$work/gather/points.csv" > "$work/mixed/points.csv"
+if "$python" "$root/launch/moeut-scaling" --project "$work/mixed" --profile "$root/configs/1B.cfg" 2> "$work/mixed.txt" > /dev/null; then
+  fail "a study mixing dispatchers was projected"
+fi
+grep -q "mixes dispatchers (all_gather, all_to_all)" "$work/mixed.txt" || fail "unclear error: $(cat "$work/mixed.txt")"
 echo "bogus = 1" >> "$work/tiny.sweep"
 if "$python" "$root/launch/moeut-scaling" "$work/tiny.sweep" --out "$work/out2" 2> "$work/err.txt"; then
   fail "a sweep file with an unknown key was accepted"
