@@ -136,9 +136,9 @@ void NcclCommunicator::all_to_all_v(const uint16_t* send, std::span<const int64_
   all_to_all_v(send, sc, recv, rc, ncclBfloat16, sizeof(uint16_t), "ncclSend/ncclRecv(bf16)");
 }
 
-// One reduce per owner, grouped into one launch, for chunks equal or one element apart (a
-// range's last ZeRO bucket); ncclReduceScatter on equal chunks was no faster
-// (docs/PERFORMANCE.md). `mine` may alias this rank's chunk.
+// One reduce per owner, grouped into one launch: it serves chunks equal or one element apart (a
+// range's last ZeRO bucket) alike, where ncclReduceScatter takes equal chunks only. `mine` may
+// alias this rank's chunk.
 void NcclCommunicator::reduce_scatter_sum(std::span<const float> data, std::span<float> mine,
                                           std::span<const int64_t> counts) {
   run("ncclReduce (reduce-scatter)", [&] {
