@@ -90,13 +90,18 @@ double GpuShardedAdamW::step(__nv_bfloat16* working, float* grads, double lr, co
   const AdamWHyper h{lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay};
   const double coef = clip_coefficient(norm, t.grad_clip);
   ++steps_;
+  // Each bucket's working copy is all-gathered on its group's stream while the next bucket updates.
+  world_.defer_joins();
+  expert_data_parallel_.defer_joins();
   for (const ZeroBucket& b : buckets) {
     const int64_t at = b.offset + b.mine_offset;
     cuda::adamw_update(master_.get() + b.state_offset, working + at, grads + at, m_.get() + b.state_offset,
                        v_.get() + b.state_offset, b.mine, h, steps_, coef, non_finite_.get(), stream_);
+    gather_working(b, working);
   }
   world_.all_reduce_sum(std::span<float>(non_finite_.get(), 1));
-  gather_working(working);
+  world_.join_deferred();
+  expert_data_parallel_.join_deferred();
   float non_finite = 0;  // ranks whose update left a master value that is not finite
   MOEUT_CUDA_CHECK(cudaMemcpyAsync(&non_finite, non_finite_.get(), sizeof(float), cudaMemcpyDeviceToHost, stream_));
   {
@@ -133,15 +138,15 @@ void GpuShardedAdamW::load(const OptimizerShard& s, __nv_bfloat16* working) {
   m_.upload(s.m);
   v_.upload(s.v);
   steps_ = s.steps;
-  for (const ZeroBucket& b : partition_.buckets())
+  for (const ZeroBucket& b : partition_.buckets()) {
     cuda::to_bf16(working + b.offset + b.mine_offset, master_.get() + b.state_offset, b.mine, stream_);
-  gather_working(working);
+    gather_working(b, working);
+  }
 }
 
-void GpuShardedAdamW::gather_working(__nv_bfloat16* working) {
-  for (const ZeroBucket& b : partition_.buckets())
-    comm(b).all_gather_v(std::span<uint16_t>(reinterpret_cast<uint16_t*>(working + b.offset), size_t(b.length)),
-                         b.chunks);
+void GpuShardedAdamW::gather_working(const ZeroBucket& b, __nv_bfloat16* working) {
+  comm(b).all_gather_v(std::span<uint16_t>(reinterpret_cast<uint16_t*>(working + b.offset), size_t(b.length)),
+                       b.chunks);
 }
 
 std::vector<float> GpuShardedAdamW::parameters() {

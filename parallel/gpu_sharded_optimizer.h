@@ -3,7 +3,8 @@
 // master values and AdamW moments of its chunks only; the model keeps the bf16 working copy of
 // every parameter and the fp32 gradients. A step reduces each bucket's gradient chunks to their
 // owners (in place), takes the global norm over the owned chunks (every element once), updates
-// the owned master chunks and their working copy, and all-gathers the working copy in bf16.
+// the owned master chunks and their working copy, and all-gathers the working copy in bf16 (each
+// bucket's beside the next bucket's update).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -57,7 +58,8 @@ class GpuShardedAdamW {
   Communicator& comm(const ZeroBucket& b) const {
     return b.group == ZeroGroup::kWorld ? world_ : expert_data_parallel_;
   }
-  void gather_working(__nv_bfloat16* working);
+  // Bucket b's working copy, every owner's chunk to every rank of its group.
+  void gather_working(const ZeroBucket& b, __nv_bfloat16* working);
   // Bucket b's gradient chunks summed over its group, each into its owner's chunk of grads.
   void reduce(const ZeroBucket& b, float* grads);
 
