@@ -90,13 +90,14 @@ void check_dispatch(Routing routing, Exchange exchange) {
   const int ranks = world_size(), me = world_rank();
   const int64_t E = 7, k = 3, d = 16;  // 7 experts: uneven over 2 or 4 ranks
   const int64_t N = routing == Routing::kRankOneEmpty && me == 1 ? 0 : 50 + 13 * me;
+  const int64_t max_tokens = 50 + 13 * (ranks - 1);  // the last rank's N: every rank's fits the plan
   const ProcessGroups host = mpi_process_groups(MPI_COMM_WORLD, ranks);
   cudaStream_t stream;
   MOEUT_CUDA_CHECK(cudaStreamCreate(&stream));
   {
     const NcclProcessGroups device = nccl_process_groups(host, stream);
     const std::unique_ptr<GpuTokenDispatcher> made =
-        make_dispatcher(exchange, *device.expert_parallel, E, 64, d, k, stream);
+        make_dispatcher(exchange, *device.expert_parallel, E, max_tokens, d, k, stream);
     GpuTokenDispatcher& dispatcher = *made;
     const ExpertShard shard0 = expert_shard(E, ranks, 0), mine = expert_shard(E, ranks, me);
     Rng rng(uint64_t(17 + me));
