@@ -75,7 +75,8 @@ po::options_description train_options(TrainConfig& t) {
       ("ep", po::value(&t.ep)->default_value(t.ep), "expert-parallel group size: ranks that share one copy of the FFN experts")
       ("device", po::value(&t.device)->default_value(t.device), "cpu, cuda, or auto (cuda when a GPU is present)")
       ("dispatcher", po::value(&t.dispatcher)->default_value(t.dispatcher),
-       "expert-parallel token dispatch: all_to_all (copies to the ranks that need them) or all_gather")
+       "expert-parallel token dispatch: all_to_all (copies to the ranks that need them), all_gather (every token "
+       "to every rank of the group), or auto (all_gather on GPU ranks, all_to_all on CPU ranks)")
       ("checkpoint_dir", po::value(&t.checkpoint_dir), "directory of sharded checkpoints (step_<N>/); none when empty")
       ("checkpoint_every", po::value(&t.checkpoint_every)->default_value(t.checkpoint_every),
        "steps between checkpoints (0: only at the end)")
@@ -204,8 +205,8 @@ void validate(const Config& c) {
     fail("threads", "must be at most the machine's " + std::to_string(machine) + " hardware threads (got " +
                         std::to_string(t.threads) + ")");
   require_positive("ep", t.ep);
-  if (t.dispatcher != "all_to_all" && t.dispatcher != "all_gather")
-    fail("dispatcher", "must be all_to_all or all_gather (got '" + shown(t.dispatcher) + "')");
+  if (t.dispatcher != "all_to_all" && t.dispatcher != "all_gather" && t.dispatcher != "auto")
+    fail("dispatcher", "must be all_to_all, all_gather or auto (got '" + shown(t.dispatcher) + "')");
   if (t.device != "cpu" && t.device != "cuda" && t.device != "auto")
     fail("device", "must be cpu, cuda or auto (got '" + shown(t.device) + "')");
   if (t.train_data.empty()) fail("train_data", "is required");

@@ -66,7 +66,9 @@ struct TrainConfig {
   int64_t threads = 0;           // CPU threads; 0 keeps OpenMP's default
   int64_t ep = 1;                // expert-parallel group size (ranks sharing one set of experts)
   std::string device = "auto";   // cpu, cuda, or auto (cuda when built with it and a GPU is there)
-  std::string dispatcher = "all_to_all";  // expert-parallel token dispatch: all_to_all or all_gather
+  // Expert-parallel token dispatch: all_to_all, all_gather, or auto (all_gather on GPU ranks,
+  // all_to_all on CPU ranks; docs/SCALING.md has the measurements that chose it).
+  std::string dispatcher = "auto";
   // Sharded checkpoints (docs/CHECKPOINTS.md).
   std::string checkpoint_dir;    // where step_<N>/ directories go; empty: no checkpoints
   int64_t checkpoint_every = 0;  // steps between checkpoints; 0: only at the end

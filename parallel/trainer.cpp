@@ -88,9 +88,16 @@ std::string eta_text(double seconds) {
   return out;
 }
 
-// The configuration, after the checks that involve the process layout.
-const Config& checked(const Config& c, const ProcessGroups& g) {
+bool use_gpu(const Config& c) {
+  return c.train.device == "cuda" || (c.train.device == "auto" && gpu_backend_available());
+}
+
+// The configuration, after the checks that involve the process layout, with its automatic token
+// dispatcher chosen: the all-gather one on GPU ranks (no host round trip, bf16 partial sums), the
+// all-to-all one on CPU ranks.
+Config checked(Config c, const ProcessGroups& g) {
   validate(c);
+  if (c.train.dispatcher == "auto") c.train.dispatcher = use_gpu(c) ? "all_gather" : "all_to_all";
   const int64_t world = g.world->size(), ep = g.ep();
   if (c.train.ep != ep)
     throw ConfigError("invalid configuration: ep: is " + std::to_string(c.train.ep) + " but the expert-parallel group has " +
@@ -106,10 +113,6 @@ const Config& checked(const Config& c, const ProcessGroups& g) {
   if (c.train.device == "cuda" && !gpu_backend_available())
     throw ConfigError("invalid configuration: device: cuda asked for, but no GPU is available to this build");
   return c;
-}
-
-bool use_gpu(const Config& c) {
-  return c.train.device == "cuda" || (c.train.device == "auto" && gpu_backend_available());
 }
 
 }  // namespace
@@ -177,9 +180,10 @@ double Trainer::train() {
   const int64_t T = cfg_.model.context, micro = t.micro_batch_size;
   const ExpertShard& shard = backend_->layout().shard();
   if (leader())
-    std::printf("topology: world %d | ep %d | dp %d (replicated), %d (experts) | experts per rank %lld..%lld of %lld\n"
+    std::printf("topology: world %d | ep %d (%s dispatcher) | dp %d (replicated), %d (experts) | experts per rank "
+                "%lld..%lld of %lld\n"
                 "model: %lld parameters on rank 0 (fp32) | optimizer state %.1f MB on rank 0 | device %s | %d threads per rank\n",
-                groups_.world->size(), groups_.ep(), groups_.dp(), groups_.expert_data_parallel->size(),
+                groups_.world->size(), groups_.ep(), groups_.ep() > 1 ? t.dispatcher.c_str() : "local", groups_.dp(), groups_.expert_data_parallel->size(),
                 (long long)expert_shard(cfg_.model.ff_n_experts, groups_.ep(), groups_.ep() - 1).count,
                 (long long)shard.count, (long long)cfg_.model.ff_n_experts, (long long)backend_->layout().total(),
                 backend_->optimizer_state_bytes() / 1e6, backend_->device(), omp_get_max_threads());

@@ -94,7 +94,7 @@ TEST(ConfigValidation, RefusesEachBrokenRuleNamingOptionAndRule) {
       {{"--weight_decay", "-1"}, "weight_decay", ">= 0"},
       {{"--eval_batches", "0"}, "eval_batches", "positive"},
       {{"--device", "tpu"}, "device", "must be cpu, cuda or auto"},
-      {{"--dispatcher", "broadcast"}, "dispatcher", "must be all_to_all or all_gather"},
+      {{"--dispatcher", "broadcast"}, "dispatcher", "must be all_to_all, all_gather or auto"},
       {{"--checkpoint_dir", "c", "--checkpoint_every", "-1"}, "checkpoint_every", ">= 0"},
       {{"--checkpoint_dir", "c", "--keep_checkpoints", "-2"}, "keep_checkpoints", ">= 0"},
       {{"--checkpoint_every", "10"}, "checkpoint_every", "needs checkpoint_dir"},
