@@ -93,25 +93,44 @@ Model<T>::Model(const ModelConfig& config, ExpertShard shard)
   grads.assign(size_t(layout_.total()), T(0));
 }
 
+namespace {
+
+// x[i] = T(draw(r)) for i in [0, n), where r is `rng` past the per·i draws that elements before i
+// take: chunks of the stream drawn in parallel (Rng::skip), the values of drawing it in turn.
+template <typename T, typename Draw>
+void fill_from_stream(T* x, int64_t n, const Rng& rng, int64_t per, Draw draw) {
+  constexpr int64_t kChunk = int64_t(1) << 16;
+#pragma omp parallel for schedule(static)
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    Rng r = rng;
+    r.skip(uint64_t(begin * per));
+    for (int64_t i = begin; i < std::min(n, begin + kChunk); ++i) x[i] = T(draw(r));
+  }
+}
+
+}  // namespace
+
 template <typename T>
-void Model<T>::init(uint64_t seed) {
-  const double d = double(cfg_.d_model), c = std::sqrt(2.0 / double(cfg_.n_layers));
-  for (const TensorSpec& t : layout_.tensors()) {
-    T* x = params.data() + t.offset;
-    Rng rng(hash_mix(seed, hash_string(t.name)));
-    auto normal = [&](double std) { for (int64_t i = 0; i < t.numel; ++i) x[i] = T(std * rng.normal()); };
+void init_parameters(const ModelConfig& cfg, const ParamLayout& layout, uint64_t seed, T* params) {
+  const double d = double(cfg.d_model), c = std::sqrt(2.0 / double(cfg.n_layers));
+  for (const TensorSpec& t : layout.tensors()) {
+    T* x = params + t.offset;
+    const Rng rng(hash_mix(seed, hash_string(t.name)));
+    auto normal = [&](double std) { fill_from_stream(x, t.numel, rng, 2, [std](Rng& r) { return std * r.normal(); }); };
     auto uniform = [&](double bound) {
-      for (int64_t i = 0; i < t.numel; ++i) x[i] = T(bound * (2.0 * rng.uniform() - 1.0));
+      fill_from_stream(x, t.numel, rng, 1, [bound](Rng& r) { return bound * (2.0 * r.uniform() - 1.0); });
     };
     const std::string& n = t.name;
     if (t.expert) {
       // One stream per expert, so that a rank holding a shard draws the same values as a
-      // process holding them all. FFN keys and values are plain normals.
-      const int64_t per_expert = t.numel / layout_.shard().count;
-      const double std = n.ends_with("ffn.values") ? c / std::sqrt(double(cfg_.ff_n_experts * cfg_.ff_expert_size))
+      // process holding them all; the experts in parallel. FFN keys and values are plain normals.
+      const ExpertShard shard = layout.shard();
+      const int64_t per_expert = t.numel / shard.count;
+      const double std = n.ends_with("ffn.values") ? c / std::sqrt(double(cfg.ff_n_experts * cfg.ff_expert_size))
                                                    : c / std::sqrt(d);
-      for (int64_t e = 0; e < layout_.shard().count; ++e) {
-        Rng expert_rng(hash_mix(hash_mix(seed, hash_string(n)), uint64_t(layout_.shard().begin + e)));
+#pragma omp parallel for schedule(dynamic)
+      for (int64_t e = 0; e < shard.count; ++e) {
+        Rng expert_rng(hash_mix(hash_mix(seed, hash_string(n)), uint64_t(shard.begin + e)));
         for (int64_t i = 0; i < per_expert; ++i) x[e * per_expert + i] = T(std * expert_rng.normal());
       }
       continue;
@@ -121,7 +140,7 @@ void Model<T>::init(uint64_t seed) {
     else if (n.starts_with("lm_head.")) uniform(1.0 / std::sqrt(d));
     else if (ends("norm.weight") || ends("ln1.weight") || ends("ln2.weight")) std::fill_n(x, t.numel, T(1));
     else if (ends("norm.bias") || ends("ln1.bias") || ends("ln2.bias")) std::fill_n(x, t.numel, T(0));
-    else if (ends("attention.o")) normal(c / std::sqrt(double(cfg_.n_heads * cfg_.d_head)));
+    else if (ends("attention.o")) normal(c / std::sqrt(double(cfg.n_heads * cfg.d_head)));
     else normal(c / std::sqrt(d));  // expert_sel, sel_v, sel_o, q, k, v
 
     const int64_t rows = t.shape[0], width = t.numel / rows;
@@ -149,6 +168,14 @@ void Model<T>::init(uint64_t seed) {
           x[r * width + i] = T(x[r * width + i] * (row_std[r] / std_all));
     }
   }
+}
+
+template void init_parameters<float>(const ModelConfig&, const ParamLayout&, uint64_t, float*);
+template void init_parameters<double>(const ModelConfig&, const ParamLayout&, uint64_t, double*);
+
+template <typename T>
+void Model<T>::init(uint64_t seed) {
+  init_parameters(cfg_, layout_, seed, params.data());
 }
 
 template <typename T>

@@ -46,6 +46,13 @@ struct ModelBytes {
 };
 ModelBytes model_bytes(const ModelConfig& m, int64_t experts, int64_t B);
 
+// The spec's initialisation (docs/MODEL.md) of every parameter of `layout`, into params
+// (layout.total() values). Each tensor, and each expert of an expert tensor, draws its own
+// stream, so a rank holding a shard gets the values of a process holding every expert; the draws
+// run in parallel (OpenMP) and give the values of drawing each stream in turn.
+template <typename T>
+void init_parameters(const ModelConfig& cfg, const ParamLayout& layout, uint64_t seed, T* params);
+
 template <typename T>
 class Model {
  public:
@@ -62,7 +69,7 @@ class Model {
   T* param(const std::string& name) { return params.data() + layout_.at(name).offset; }
   T* grad(const std::string& name) { return grads.data() + layout_.at(name).offset; }
 
-  void init(uint64_t seed);  // the spec's initialisation
+  void init(uint64_t seed);  // the spec's initialisation (init_parameters)
 
   // tokens: [B, context + 1]; positions 0..context-1 are the input, 1..context the targets.
   // Accumulates into grads the gradient of weight * (mean CE + regularisers) of this batch, so

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/gpu_model.h"
+#include "core/model.h"
 #include "parallel/training_backend.h"
 #include "kernels/cuda_check.h"
 #include "parallel/gpu_all_gather_dispatcher.h"
@@ -89,11 +90,11 @@ class GpuBackend final : public TrainingBackend {
                expert_dispatcher(c, *groups_.expert_parallel), stream_.get()) {
     // The spec's initialisation, drawn on the host as the CPU path draws it: each expert from
     // its own stream, so this rank's shard equals its slice of a one-process model.
-    Model<float> init(c.model, model_.layout().shard());
-    init.init(c.train.seed);
-    model_.set_parameters(init.params);
+    std::vector<float> initial(size_t(model_.layout().total()));
+    init_parameters(c.model, model_.layout(), c.train.seed, initial.data());
+    model_.set_parameters(initial);
     model_.set_expert_counting(c.train.log_experts_every > 0);
-    optimizer_ = std::make_unique<GpuShardedAdamW>(model_.layout(), groups_, init.params, stream_.get());
+    optimizer_ = std::make_unique<GpuShardedAdamW>(model_.layout(), groups_, initial, stream_.get());
     // Where the device's memory goes: the model's ledger, the optimizer state, and what the device
     // reports in use (which adds cuBLAS's, NCCL's and CUDA's own).
     DeviceLedger ledger = model_.ledger();

@@ -1,9 +1,13 @@
 // The whole model's total loss (cross-entropy plus both entropy terms) against central finite
 // differences, for every parameter of a tiny configuration, in double precision.
 #include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
 #include <cstdio>
 
 #include "core/model.h"
+#include "core/rng.h"
 #include "gradcheck.h"
 
 namespace moeut {
@@ -116,6 +120,28 @@ TEST(Model, AShardIsInitialisedAsItsSliceOfTheWholeModel) {
       EXPECT_EQ(got, want) << t.name << " on rank " << r;
     }
   }
+}
+
+// The initialisation draws in parallel and must not depend on how: with one thread or several,
+// the same bits, and a long tensor's values those of drawing its stream in turn (the embedding,
+// longer than one chunk of the parallel draw, against the spec's std / sqrt(d) normals).
+TEST(Model, InitialisationIsTheSameWhateverTheThreads) {
+  ModelConfig cfg = tiny_grad_config();
+  cfg.n_tokens = 40000;  // an embedding of 320,000 values: five chunks of the parallel draw
+  const ParamLayout layout(cfg);
+  const int threads = omp_get_max_threads();
+  std::vector<float> one(size_t(layout.total())), several(size_t(layout.total()));
+  omp_set_num_threads(1);
+  init_parameters(cfg, layout, 11, one.data());
+  omp_set_num_threads(4);
+  init_parameters(cfg, layout, 11, several.data());
+  omp_set_num_threads(threads);
+  EXPECT_EQ(one, several);
+  const TensorSpec& e = layout.at("embedding.weight");
+  Rng rng(hash_mix(11, hash_string(e.name)));
+  std::vector<float> in_turn(size_t(e.numel));
+  for (float& x : in_turn) x = float(rng.normal() / std::sqrt(double(cfg.d_model)));
+  EXPECT_EQ(std::vector<float>(several.begin() + e.offset, several.begin() + e.offset + e.numel), in_turn);
 }
 
 }  // namespace

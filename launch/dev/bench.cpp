@@ -48,12 +48,9 @@ int main(int argc, char** argv) {
     const double peak = measure_bf16_peak_tflops();
     cudaDeviceProp prop;
     MOEUT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    std::vector<float> params;
-    {
-      Model<float> init(m);  // the spec's initialisation, on the host
-      init.init(cfg.train.seed);
-      params = std::move(init.params);
-    }
+    const ParamLayout layout(m);
+    std::vector<float> params(size_t(layout.total()));
+    init_parameters(m, layout, cfg.train.seed, params.data());  // the spec's initialisation, on the host
     GpuModel model(m, batch);
     const char* count_experts = std::getenv("MOEUT_BENCH_COUNT_EXPERTS");
     model.set_expert_counting(count_experts && std::string(count_experts) == "1");
