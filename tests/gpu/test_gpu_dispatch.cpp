@@ -88,7 +88,7 @@ void check_dispatch(Routing routing, Exchange exchange) {
   if (gpu_count() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
   MOEUT_CUDA_CHECK(cudaSetDevice(world_rank()));
   const int ranks = world_size(), me = world_rank();
-  const int64_t E = 7, k = 3, d = 16;  // 7 experts: uneven over 2 or 4 ranks
+  const int64_t E = 13, k = 3, d = 16;  // 13 experts: uneven over 2 or 4 ranks, rank 0 holding k or more
   const int64_t N = routing == Routing::kRankOneEmpty && me == 1 ? 0 : 50 + 13 * me;
   const int64_t max_tokens = 50 + 13 * (ranks - 1);  // the last rank's N: every rank's fits the plan
   const ProcessGroups host = mpi_process_groups(MPI_COMM_WORLD, ranks);
