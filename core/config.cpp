@@ -76,7 +76,8 @@ po::options_description train_options(TrainConfig& t) {
       ("device", po::value(&t.device)->default_value(t.device), "cpu, cuda, or auto (cuda when a GPU is present)")
       ("dispatcher", po::value(&t.dispatcher)->default_value(t.dispatcher),
        "expert-parallel token dispatch: all_to_all (copies to the ranks that need them), all_gather (every token "
-       "to every rank of the group), or auto (all_gather on GPU ranks, all_to_all on CPU ranks)")
+       "to every rank of the group), or auto (all_gather on GPU ranks whose expert-parallel groups each lie on one "
+       "machine, all_to_all otherwise)")
       ("checkpoint_dir", po::value(&t.checkpoint_dir), "directory of sharded checkpoints (step_<N>/); none when empty")
       ("checkpoint_every", po::value(&t.checkpoint_every)->default_value(t.checkpoint_every),
        "steps between checkpoints (0: only at the end)")

@@ -66,8 +66,8 @@ struct TrainConfig {
   int64_t threads = 0;           // CPU threads; 0 keeps OpenMP's default
   int64_t ep = 1;                // expert-parallel group size (ranks sharing one set of experts)
   std::string device = "auto";   // cpu, cuda, or auto (cuda when built with it and a GPU is there)
-  // Expert-parallel token dispatch: all_to_all, all_gather, or auto (all_gather on GPU ranks,
-  // all_to_all on CPU ranks; docs/SCALING.md has the measurements that chose it).
+  // Expert-parallel token dispatch: all_to_all, all_gather, or auto (all_gather on GPU ranks whose
+  // expert-parallel groups each lie on one machine, all_to_all otherwise; docs/DESIGN.md says why).
   std::string dispatcher = "auto";
   // Sharded checkpoints (docs/CHECKPOINTS.md).
   std::string checkpoint_dir;    // where step_<N>/ directories go; empty: no checkpoints

@@ -120,8 +120,20 @@ struct ProcessGroups {
 
   int ep() const { return expert_parallel->size(); }
   int dp() const { return world->size(); }  // data-parallel degree of replicated parameters
+  // Whether every expert-parallel group's ranks share one machine (node.first alike), so that
+  // its token exchange stays on the machine's links: the same answer on every rank (a collective).
+  bool expert_groups_within_machines() const;
   static ProcessGroups single();
 };
+
+inline bool ProcessGroups::expert_groups_within_machines() const {
+  std::vector<int32_t> first(size_t(ep()), 0);
+  first[size_t(expert_parallel->rank())] = node.first;
+  expert_parallel->all_gather_v(std::span<int32_t>(first), std::vector<int64_t>(first.size(), 1));
+  double spanning = std::equal(first.begin() + 1, first.end(), first.begin()) ? 0.0 : 1.0;
+  world->all_reduce_sum(std::span<double>(&spanning, 1));
+  return spanning == 0.0;
+}
 
 inline ProcessGroups ProcessGroups::single() {
   ProcessGroups g;

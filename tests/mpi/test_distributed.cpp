@@ -184,6 +184,15 @@ TEST(ProcessGroups, NodePlaceIsTheRanksOfThisMachineInWorldOrder) {
   EXPECT_EQ(in_pair.node.first, 0);
 }
 
+TEST(ProcessGroups, ExpertGroupsWithinMachinesWhenTheirRanksShareOne) {
+  // Every rank on this machine: every group lies within it. Each rank made a machine of its own:
+  // a group of two ranks or more spans machines, on every rank's answer.
+  ProcessGroups groups = mpi_process_groups(MPI_COMM_WORLD, g_ep);
+  EXPECT_TRUE(groups.expert_groups_within_machines());
+  groups.node.first = world_rank();
+  EXPECT_EQ(groups.expert_groups_within_machines(), g_ep == 1);
+}
+
 TEST(ShardedOptimizer, TensorGradientNormsSumOverTheRanksToTheGlobalNorm) {
   // Every rank adds the same gradient, so the summed one is world_size() times it. Buckets of
   // 1000 elements cut tensors across buckets and ranks: each tensor's pieces, summed over the
