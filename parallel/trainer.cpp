@@ -188,7 +188,8 @@ double Trainer::train() {
     std::printf("topology: world %d | ep %d (%s dispatcher) | dp %d (replicated), %d (experts) | experts per rank "
                 "%lld..%lld of %lld\n"
                 "model: %lld parameters on rank 0 (fp32) | optimizer state %.1f MB on rank 0 | device %s | %d threads per rank\n",
-                groups_.world->size(), groups_.ep(), groups_.ep() > 1 ? t.dispatcher.c_str() : "local", groups_.dp(), groups_.expert_data_parallel->size(),
+                groups_.world->size(), groups_.ep(), groups_.ep() > 1 ? t.dispatcher.c_str() : "local", groups_.dp(),
+                groups_.expert_data_parallel->size(),
                 (long long)expert_shard(cfg_.model.ff_n_experts, groups_.ep(), groups_.ep() - 1).count,
                 (long long)shard.count, (long long)cfg_.model.ff_n_experts, (long long)backend_->layout().total(),
                 backend_->optimizer_state_bytes() / 1e6, backend_->device(), omp_get_max_threads());
