@@ -51,7 +51,8 @@ po::options_description train_options(TrainConfig& t) {
   o.add_options()
       ("train_data", po::value(&t.train_data), "training token file, or a comma-separated list and/or glob of them read as one stream (docs/DATA.md)")
       ("val_data", po::value(&t.val_data), "validation token file(s), as train_data")
-      ("out_weights", po::value(&t.out_weights)->default_value(t.out_weights), "HDF5 weights written at the end")
+      ("out_weights", po::value(&t.out_weights)->default_value(t.out_weights),
+       "HDF5 weights written at the end (none: no weights file, as for a benchmark)")
       ("metrics", po::value(&t.metrics)->default_value(t.metrics), "JSON-lines metrics file")
       ("steps", po::value(&t.steps)->default_value(t.steps), "optimizer steps")
       ("batch_size", po::value(&t.batch_size)->default_value(t.batch_size), "global batch in sequences")

@@ -43,7 +43,7 @@ struct ModelConfig {
 struct TrainConfig {
   std::string train_data;        // token file (docs/DATA.md)
   std::string val_data;
-  std::string out_weights = "runs/weights.h5";
+  std::string out_weights = "runs/weights.h5";  // none: no weights file
   std::string metrics = "runs/metrics.jsonl";
   int64_t steps = 100;
   int64_t batch_size = 16;       // global batch, sequences of `context` tokens

@@ -35,6 +35,8 @@ int main(int argc, char** argv) {
         if (rank == 0 && config.train.checkpoint_dir.empty())
           std::printf("no checkpoint_dir: nothing of this run was saved\n");
         status = kExitStopped;
+      } else if (config.train.out_weights == "none") {
+        if (rank == 0) std::printf("no weights file written (out_weights none)\n");
       } else {
         const std::vector<float> params = trainer.full_parameters();
         if (rank == 0) {

@@ -35,6 +35,11 @@ SWEEP
 grep -q "^1,1,1,2,2,6,.*,1,.*,ok$" "$work/out/points.csv" || fail "one-rank point: $(sed -n 2p "$work/out/points.csv")"
 grep -q "^| 2 | 2 | 1 | 4 | all_to_all | " "$work/out/table.md" || fail "table.md: $(cat "$work/out/table.md")"
 grep -q "^2,1,2,4,2,6,local," "$work/out/points.csv" || fail "ep 1's dispatcher: $(cat "$work/out/points.csv")"
+# A study wants timings: its points write no weights file (--out_weights none).
+for point in "$work"/out/np*_ep*; do
+  grep -q "^no weights file written (out_weights none)$" "$point/log.txt" || fail "$point: $(tail -2 "$point/log.txt")"
+done
+[ -z "$(find "$work" "$root" -maxdepth 2 -name none)" ] || fail "a file named none was written"
 if "$python" -c "import matplotlib" 2> /dev/null; then
   for png in scaling loss; do
     is_png "$work/out/$png.png" || fail "$png.png is not a PNG"
