@@ -187,12 +187,14 @@ double Trainer::train() {
   if (leader())
     std::printf("topology: world %d | ep %d (%s dispatcher) | dp %d (replicated), %d (experts) | experts per rank "
                 "%lld..%lld of %lld\n"
-                "model: %lld parameters on rank 0 (fp32) | optimizer state %.1f MB on rank 0 | device %s | %d threads per rank\n",
+                "model: %lld parameters on rank 0 (fp32) | optimizer state %.1f MB on rank 0 | device %s | %d threads per rank "
+                "| set up in %.1f s\n",
                 groups_.world->size(), groups_.ep(), groups_.ep() > 1 ? t.dispatcher.c_str() : "local", groups_.dp(),
                 groups_.expert_data_parallel->size(),
                 (long long)expert_shard(cfg_.model.ff_n_experts, groups_.ep(), groups_.ep() - 1).count,
                 (long long)shard.count, (long long)cfg_.model.ff_n_experts, (long long)backend_->layout().total(),
-                backend_->optimizer_state_bytes() / 1e6, backend_->device(), omp_get_max_threads());
+                backend_->optimizer_state_bytes() / 1e6, backend_->device(), omp_get_max_threads(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - constructed_).count());
   if (const std::string memory = backend_->memory_plan(); leader() && !memory.empty())
     std::printf("GPU memory on rank 0: %s | bf16 product peak measured %.0f TFLOP/s (MFU's base)\n", memory.c_str(),
                 backend_->peak_flops() / 1e12);

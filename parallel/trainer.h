@@ -2,6 +2,7 @@
 // One process or many: each rank trains on its own part of every global batch, through a
 // TrainingBackend (CPU ranks with expert parallelism, or one GPU).
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <fstream>
 #include <functional>
@@ -134,6 +135,9 @@ class Trainer {
   double validation_loss(int64_t max_windows);
   bool leader() const { return groups_.world->rank() == 0; }
 
+  // When the trainer began: the start-up line reports how long the set-up took (configuration
+  // checks, data, the backend with its communicators and initial parameters, a resumed checkpoint).
+  const std::chrono::steady_clock::time_point constructed_ = std::chrono::steady_clock::now();
   Config cfg_;
   const ProcessGroups& groups_;
   int64_t local_batch_;  // sequences of each global batch this rank trains on
