@@ -5,9 +5,9 @@
 # BOUND (relative, every step; default 1e-3: bf16 noise measured at 3.3e-6 for 1B and 4.6e-5 for
 # 244M over 30 steps, while a misplaced row moves the loss by about 3e-2). Binaries from
 # launch/dev/build-gpu.sh (BIN overrides), data from launch/fetch-brown.sh (data/brown). Logs
-# under $OUT. DISPATCHER=all_gather exchanges tokens through the all-gather dispatcher (default
-# all_to_all); RANKS="2 4" chooses the rank counts; DEVICE=cpu runs the same comparison on CPU
-# ranks (with --oversubscribe, for a small profile).
+# under $OUT. DISPATCHER (all_to_all, all_gather) chooses the token dispatcher (default auto,
+# moeut-train's choice); RANKS="2 4" chooses the rank counts; DEVICE=cpu runs the same comparison
+# on CPU ranks (with --oversubscribe, for a small profile).
 #   launch/dev/gpu-distributed-check.sh [config] [steps] [global batch] [ep...]
 # With ep given, only those degrees run (each where it divides the rank count).
 set -uo pipefail
@@ -36,7 +36,7 @@ fi
 read -r -a ranks <<< "${RANKS:-$default_ranks}"
 common=(--config "$config" --train_data "$root/data/brown/train.bin" --val_data "$root/data/brown/val.bin"
         --steps "$steps" --batch_size "$batch" --warmup_steps 100 --eval_every 0 --device "$device"
-        --dispatcher "${DISPATCHER:-all_to_all}")
+        --dispatcher "${DISPATCHER:-auto}")
 runs=()
 run() {  # run NAME NP EP MICRO
   local name=$1 np=$2 ep=$3 micro=$4
