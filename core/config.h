@@ -41,9 +41,10 @@ struct ModelConfig {
 };
 
 struct TrainConfig {
+  bool writes_weights() const { return out_weights != "none"; }
   std::string train_data;        // token file (docs/DATA.md)
   std::string val_data;
-  std::string out_weights = "runs/weights.h5";  // none: no weights file
+  std::string out_weights = "runs/weights.h5";  // none: no weights file (writes_weights())
   std::string metrics = "runs/metrics.jsonl";
   int64_t steps = 100;
   int64_t batch_size = 16;       // global batch, sequences of `context` tokens

@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
         if (rank == 0 && config.train.checkpoint_dir.empty())
           std::printf("no checkpoint_dir: nothing of this run was saved\n");
         status = kExitStopped;
-      } else if (config.train.out_weights == "none") {
+      } else if (!config.train.writes_weights()) {
         if (rank == 0) std::printf("no weights file written (out_weights none)\n");
       } else {
         const std::vector<float> params = trainer.full_parameters();

@@ -46,7 +46,7 @@ std::string gib(double bytes) {
 
 void check_outputs(const TrainConfig& t, bool leader) {
   if (leader) {
-    if (t.out_weights != "none") check_output_file("out_weights", t.out_weights);
+    if (t.writes_weights()) check_output_file("out_weights", t.out_weights);
     check_output_file("metrics", t.metrics);
   }
   if (!t.checkpoint_dir.empty()) check_output_directory("checkpoint_dir", t.checkpoint_dir);
