@@ -42,7 +42,7 @@ run() {  # run NAME NP EP MICRO
   local name=$1 np=$2 ep=$3 micro=$4
   echo "== $name: np $np, ep $ep, micro-batch $micro"
   if mpirun -np "$np" "${launch_args[@]}" "$bin/moeut-train" "${common[@]}" --ep "$ep" \
-       --micro_batch_size "$micro" --metrics "$out/$name.jsonl" --out_weights "$out/$name.h5" > "$out/$name.log" 2>&1; then
+       --micro_batch_size "$micro" --metrics "$out/$name.jsonl" --out_weights none > "$out/$name.log" 2>&1; then
     echo "   ok"
     [ "$name" = np1 ] || runs+=("$name")
   else
