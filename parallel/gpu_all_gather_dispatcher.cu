@@ -130,10 +130,10 @@ GpuTokenDispatcher::Rows GpuAllGatherDispatcher::dispatch(Route& made, const Row
                                 std::to_string(max_tokens_));
   route.tokens = in.rows;
   route.out = in.out;
-  const int64_t mine = rank_ * max_tokens_, M = max_rows();
+  const int64_t M = max_rows();
   if (in.x != token_rows(route)) copy_rows(token_rows(route), in.x, in.rows * d_, stream_);
   stage_routing<<<unsigned((max_tokens_ * k_ + 255) / 256), 256, 0, stream_>>>(
-      meta_.get() + mine * 2 * k_, in.index, in.weight, int(in.rows), int(max_tokens_), int(k_));
+      meta_.get() + own_chunk(2 * k_), in.index, in.weight, int(in.rows), int(max_tokens_), int(k_));
   MOEUT_CUDA_CHECK(cudaGetLastError());
   // The routing first; the rows after it, joined in await, arrive while the caller plans.
   comm_.all_gather_v(std::span<int32_t>(meta_.get(), size_t(M * 2 * k_)), chunks(2 * k_));
@@ -162,8 +162,8 @@ void GpuAllGatherDispatcher::check_awaited(const char* call) const {
 }
 
 void GpuAllGatherDispatcher::zero_partials(float* partials, const float* out) {
-  const int64_t mine = rank_ * max_tokens_ * d_, after = mine + max_tokens_ * d_;
-  if (out != partials + mine) {
+  const int64_t mine = own_chunk(d_), after = mine + max_tokens_ * d_;
+  if (!is_own_chunk(out, partials)) {
     MOEUT_CUDA_CHECK(cudaMemsetAsync(partials, 0, size_t(max_rows() * d_) * sizeof(float), stream_));
     return;
   }
@@ -175,7 +175,7 @@ void GpuAllGatherDispatcher::return_partials(float* partials, float* out, float*
                                              bool backward) {
   // Only the other ranks' rows travel, packed in rank order without this rank's (a chunk of none
   // for itself); its own partials are added from `partials` in fp32, or are in out already.
-  const int64_t mine = rank_ * max_tokens_ * d_, after = mine + max_tokens_ * d_;
+  const int64_t mine = own_chunk(d_), after = mine + max_tokens_ * d_;
   cuda::to_bf16(send_.get(), partials, mine, stream_);
   cuda::to_bf16(send_.get() + mine, partials + after, max_rows() * d_ - after, stream_);
   comm_.all_to_all_v(bits(send_.get()), chunks(d_, true), bits(back_.get()), chunks(d_, true));
@@ -185,7 +185,7 @@ void GpuAllGatherDispatcher::return_partials(float* partials, float* out, float*
     bytes_sent_ += (ranks_ - 1) * max_tokens_ * k_ * int64_t(sizeof(float));
   }
   if (tokens == 0) return;
-  const float* own = out == partials + mine ? nullptr : partials;
+  const float* own = is_own_chunk(out, partials) ? nullptr : partials;
   add_partials<<<unsigned(tokens), 128, 0, stream_>>>(out, slots_out, back_.get(), own, back_dw_.get(), dw_.get(),
                                                       int(max_tokens_), int(d_), int(k_), ranks_, rank_);
   MOEUT_CUDA_CHECK(cudaGetLastError());

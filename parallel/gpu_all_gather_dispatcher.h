@@ -45,10 +45,10 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   GradRows dispatch_grad(Route& route, const GradRows& grads) override;
   void combine_grad(Route& route) override;
   __nv_bfloat16* token_rows(Route& route) const override {
-    return static_cast<Gathered&>(route).x.get() + rank_ * max_tokens_ * d_;
+    return static_cast<Gathered&>(route).x.get() + own_chunk(d_);
   }
   Places places() const override {
-    const int64_t mine = rank_ * max_tokens_ * d_;
+    const int64_t mine = own_chunk(d_);
     return {.out = out_f32_.get() + mine, .dy = dy_.get() + mine, .dx = dx_f32_.get() + mine};
   }
   int64_t bytes_sent() const override { return bytes_sent_; }
@@ -71,6 +71,10 @@ class GpuAllGatherDispatcher final : public GpuTokenDispatcher {
   // Every rank's chunk of `width` elements a row, max_tokens rows each; to_others: none for
   // this rank (the partials' rows, which travel packed without it).
   std::vector<int64_t> chunks(int64_t width, bool to_others = false) const;
+  // Where this rank's chunk begins in a gathered buffer of `width` elements a row.
+  int64_t own_chunk(int64_t width) const { return rank_ * max_tokens_ * width; }
+  // Whether out, a caller's rows, is this rank's chunk of `partials` (see places()).
+  bool is_own_chunk(const float* out, const float* partials) const { return out == partials + own_chunk(d_); }
   // Refuses `call` while a dispatch's rows are arriving (a caller's error: the exchanges would
   // no longer be joined in order).
   void check_awaited(const char* call) const;

@@ -8,9 +8,18 @@
 #include <vector>
 
 #include "core/gpu_model.h"
+#include "core/model.h"
 #include "gpu_test.h"
 
 namespace moeut::gpu_test {
+
+// The spec's initial parameters of `layout` (every expert's, or a shard's), as set_parameters
+// and the optimizer take them.
+inline std::vector<float> initial_parameters(const ModelConfig& cfg, const ParamLayout& layout, uint64_t seed) {
+  std::vector<float> params(size_t(layout.total()));
+  init_parameters(cfg, layout, seed, params.data());
+  return params;
+}
 
 // all_experts: top-k over every expert, so that no routing choice can flip between the bf16
 // GPU and the fp32 CPU (a flip changes which experts a token uses, and their gradients

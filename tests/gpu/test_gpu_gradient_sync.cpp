@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "core/gpu_model.h"
-#include "core/model.h"
 #include "gpu_model_test.h"
 #include "gpu_test.h"
 #include "mpi/mpi_test.h"
@@ -63,9 +62,7 @@ TEST(GpuGradientSync, ExpertGradientsAreFinalWhenThePassSaysSo) {
   MOEUT_CUDA_CHECK(cudaStreamCreate(&stream));
   {
     GpuModel model(cfg, B, expert_shard(cfg.ff_n_experts, 1, 0), nullptr, stream);
-    Model<float> init(cfg);
-    init.init(5);
-    model.set_parameters(init.params);
+    model.set_parameters(gpu_test::initial_parameters(cfg, model.layout(), 5));
     SnapshotSync sync(model.layout(), cfg.group_size, stream);
     Rng rng{9};
     std::vector<int32_t> tokens(size_t(B * (cfg.context + 1)));
@@ -101,8 +98,7 @@ TEST(GpuGradientSync, ReducingExpertsInTheBackwardUpdatesAsTheStepDoes) {
   MOEUT_CUDA_CHECK(cudaStreamCreate(&stream));
   {
     const NcclProcessGroups groups = nccl_process_groups(host, stream);
-    Model<float> init(cfg);
-    init.init(3);
+    const std::vector<float> initial = gpu_test::initial_parameters(cfg, layout, 3);
     Rng rng{uint64_t(40 + world_rank())};  // each rank its own gradients
     std::vector<float> grads(size_t(layout.total()));
     for (float& v : grads) v = float(rng.normal() * 1e-2);
@@ -113,7 +109,7 @@ TEST(GpuGradientSync, ReducingExpertsInTheBackwardUpdatesAsTheStepDoes) {
     std::vector<std::vector<uint16_t>> working(2);
     std::vector<double> norms;
     for (const bool early : {false, true}) {
-      GpuShardedAdamW optimizer(layout, groups, init.params, stream, bucket);
+      GpuShardedAdamW optimizer(layout, groups, initial, stream, bucket);
       cuda::DeviceBuffer<__nv_bfloat16> w(size_t(layout.total()));
       cuda::DeviceBuffer<float> g(grads);
       if (early) {

@@ -101,13 +101,12 @@ TEST_F(GpuTest, ModelGradientsMatchTheCpuModel) {
 TEST_F(GpuTest, ModelGraphReplaysMatchEagerPasses) {
   const ModelConfig cfg = small_config(true);
   const int64_t B = 4;
-  Model<float> init(cfg);
-  init.init(8);
   GpuModel eager(cfg, B), graphed(cfg, B);
+  const std::vector<float> initial = gpu_test::initial_parameters(cfg, eager.layout(), 8);
   eager.set_graphs(false);
   graphed.set_graphs(true);
-  eager.set_parameters(init.params);
-  graphed.set_parameters(init.params);
+  eager.set_parameters(initial);
+  graphed.set_parameters(initial);
   Rng rng{9};
   gpu_test::expect_same_steps(eager, "eager", graphed, "graphed", B, 4, rng);
   EXPECT_EQ(graphed.captured_passes(), 3);  // both micro-batches' training passes and the loss pass

@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 
 #include "core/gpu_model.h"
-#include "core/model.h"
 #include "gpu_model_test.h"
 #include "gpu_test.h"
 #include "mpi/mpi_test.h"
@@ -46,10 +45,9 @@ void expect_local_results(const char* name, bool graphs) {
     EXPECT_EQ(exchanged.graphs(), graphs) << name << ": passes captured as CUDA graphs";
     EXPECT_EQ(local.ledger().bytes(DeviceLedger::Kind::kExchange), 0);
     EXPECT_GT(exchanged.ledger().bytes(DeviceLedger::Kind::kExchange), 0);
-    Model<float> init(cfg);
-    init.init(uint64_t(11 + world_rank()));
-    local.set_parameters(init.params);
-    exchanged.set_parameters(init.params);
+    const std::vector<float> initial = gpu_test::initial_parameters(cfg, local.layout(), uint64_t(11 + world_rank()));
+    local.set_parameters(initial);
+    exchanged.set_parameters(initial);
     Rng rng{uint64_t(23 + world_rank())};
     // Training and loss passes run eagerly, are captured, then replayed (see
     // GpuModel::set_graphs); evaluations run eagerly between them.
@@ -90,10 +88,9 @@ TEST(GpuModelDispatchers, AllGatherAcrossRanksMatchesAllToAll) {
     GpuModel a(cfg, B, shard, factory<GpuAllToAllDispatcher>(to_all, cfg), stream);
     GpuModel b(cfg, B, shard, factory<GpuAllGatherDispatcher>(gathered, cfg), stream);
     EXPECT_TRUE(b.graphs());
-    Model<float> init(cfg, shard);
-    init.init(11);
-    a.set_parameters(init.params);
-    b.set_parameters(init.params);
+    const std::vector<float> initial = gpu_test::initial_parameters(cfg, a.layout(), 11);
+    a.set_parameters(initial);
+    b.set_parameters(initial);
     Rng rng{uint64_t(23 + world_rank())};
     gpu_test::expect_same_steps(a, "all-to-all", b, "all-gather", B, 3, rng, 1e-3);
     EXPECT_EQ(b.expert_rows_received(), 3 * 2 * cfg.n_layers * world_size() * B * cfg.context);
