@@ -68,19 +68,25 @@ CSV
   > "$work/projection.txt" 2>&1 || fail "projection: $(tail -3 "$work/projection.txt")"
 grep -q "^| 64 | 1 | " "$work/h100/projection.md" || fail "projection.md has no 64-GPU ep 1 row"
 [ "$(grep -c "^512," "$work/h100/projection.csv")" -ge 4 ] || fail "projection.csv: $(cat "$work/h100/projection.csv")"
-# The same points as run by the all-gather dispatcher: every row goes to every rank of the group,
-# so past a node (ep 64: a token's experts hit about a third of the other ranks) its exchange is
-# projected larger than the all-to-all's; and one study may not mix dispatchers.
+# The same points as run by the all-gather dispatcher (every row to every rank of the group):
+# groups within a node are projected with it, wider ones with the all-to-all that --dispatcher auto
+# gives them, whose exchange at ep 64 (InfiniBand-bound) is then the all-to-all study's; and one
+# study may not mix dispatchers.
 mkdir -p "$work/gather" "$work/mixed"
 awk -F, -v OFS=, 'NR == 1 { $5 = $5 ",dispatcher" } NR > 1 { $5 = $5 "," ($2 > 1 ? "all_gather" : "local") } 1' \
   "$work/h100/points.csv" > "$work/gather/points.csv"
 "$python" "$root/launch/moeut-scaling" --project "$work/gather" --profile "$root/configs/1B.cfg" --gpus 512 \
   > "$work/gather.txt" 2>&1 || fail "all-gather projection: $(tail -3 "$work/gather.txt")"
 grep -q "token exchange (all_gather)" "$work/gather.txt" || fail "the projection does not name its dispatcher"
-exchange_at_ep64() { awk -F, 'NR == 1 { for (i = 1; i <= NF; ++i) c[$i] = i } $1 == 512 && $2 == 64 { print $c["exchange_ms"] }' "$1"; }
-a2a=$(exchange_at_ep64 "$work/h100/projection.csv") gather=$(exchange_at_ep64 "$work/gather/projection.csv")
-awk -v a="$a2a" -v g="$gather" 'BEGIN { exit !(g > 1.5 * a) }' ||
-  fail "512 GPUs at ep 64: all-gather exchange $gather ms against the all-to-all's $a2a ms"
+grep -q "groups wider than a node: all_to_all" "$work/gather.txt" || fail "the projection hides auto's choice past a node"
+at_512() { awk -F, -v ep="$2" 'NR == 1 { for (i = 1; i <= NF; ++i) c[$i] = i } $1 == 512 && $2 == ep { print $c[k] }' k="$3" "$1"; }
+[ "$(at_512 "$work/gather/projection.csv" 8 dispatcher)" = all_gather ] &&
+  [ "$(at_512 "$work/gather/projection.csv" 16 dispatcher)" = all_to_all ] &&
+  [ "$(at_512 "$work/gather/projection.csv" 64 dispatcher)" = all_to_all ] ||
+  fail "dispatchers projected: $(cat "$work/gather/projection.csv")"
+a2a=$(at_512 "$work/h100/projection.csv" 64 exchange_ms) gather=$(at_512 "$work/gather/projection.csv" 64 exchange_ms)
+awk -v a="$a2a" -v g="$gather" 'BEGIN { exit !(g > 0.99 * a && g < 1.01 * a) }' ||
+  fail "512 GPUs at ep 64: exchange $gather ms from the all-gather study against the all-to-all study's $a2a ms"
 sed '$ s/,all_gather,/,all_to_all,/' "$work/gather/points.csv" > "$work/mixed/points.csv"
 if "$python" "$root/launch/moeut-scaling" --project "$work/mixed" --profile "$root/configs/1B.cfg" 2> "$work/mixed.txt" > /dev/null; then
   fail "a study mixing dispatchers was projected"
