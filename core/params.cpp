@@ -14,7 +14,7 @@ ExpertShard expert_shard(int64_t n_experts, int64_t ranks, int64_t rank) {
 
 ParamLayout::ParamLayout(const ModelConfig& m) : ParamLayout(m, expert_shard(m.ff_n_experts, 1, 0)) {}
 
-ParamLayout::ParamLayout(const ModelConfig& m, ExpertShard shard) : shard_(shard) {
+ParamLayout::ParamLayout(const ModelConfig& m, ExpertShard shard) : shard_(shard), physical_layers_(m.group_size) {
   const int64_t d = m.d_model, V = m.n_tokens, hd = m.n_heads * m.d_head;
   const int64_t he = m.n_heads * m.att_n_experts, E = m.ff_n_experts, es = m.ff_expert_size;
   auto add = [&](std::string name, std::vector<int64_t> shape, bool expert = false) {
@@ -52,6 +52,11 @@ ParamLayout::ParamLayout(const ModelConfig& m, ExpertShard shard) : shard_(shard
     total_ += t.numel;
     if (!t.expert) replicated_ = total_;
   }
+}
+
+std::pair<int64_t, int64_t> ParamLayout::expert_range(int64_t g) const {
+  const TensorSpec& values = at(layer_prefix(g) + "ffn.values");
+  return {at(layer_prefix(g) + "ffn.keys").offset, values.offset + values.numel};
 }
 
 const TensorSpec& ParamLayout::at(const std::string& name) const {

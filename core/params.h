@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"
@@ -37,10 +38,14 @@ class ParamLayout {
   int64_t total() const { return total_; }
   int64_t replicated() const { return replicated_; }  // elements before the first expert tensor
   const ExpertShard& shard() const { return shard_; }
+  int64_t physical_layers() const { return physical_layers_; }
+  // Physical layer g's FFN expert tensors, its keys then its values, adjacent: elements
+  // [first, second). The layers' ranges follow each other from replicated() to total().
+  std::pair<int64_t, int64_t> expert_range(int64_t g) const;
 
  private:
   std::vector<TensorSpec> tensors_;
-  int64_t total_ = 0, replicated_ = 0;
+  int64_t total_ = 0, replicated_ = 0, physical_layers_ = 0;
   ExpertShard shard_;
 };
 

@@ -35,19 +35,13 @@ GpuShardedAdamW::GpuShardedAdamW(const ParamLayout& layout, const ProcessGroups&
   MOEUT_CUDA_CHECK(cudaMemset(m_.get(), 0, m_.size() * sizeof(float)));
   MOEUT_CUDA_CHECK(cudaMemset(v_.get(), 0, v_.size() * sizeof(float)));
   MOEUT_CUDA_CHECK(cudaMemset(non_finite_.get(), 0, sizeof(float)));
-  // The expert tensors, keys and values of each physical layer in turn, fill the parameter buffer
-  // from layout.replicated() on: per physical layer, [begin, end).
-  std::vector<std::pair<int64_t, int64_t>> layer_range;
-  for (const TensorSpec& t : layout.tensors()) {
-    if (!t.expert) continue;
-    if (t.name.ends_with("ffn.keys")) layer_range.push_back({t.offset, t.offset});
-    if (!layer_range.empty()) layer_range.back().second = t.offset + t.numel;
-  }
   for (const ZeroBucket& b : partition_.buckets()) {
-    int64_t first = -1;
+    int64_t first = -1;  // the lowest physical layer whose expert tensors the bucket holds
     if (b.group == ZeroGroup::kExpertDataParallel && comm(b).size() > 1)
-      for (int64_t g = 0; g < int64_t(layer_range.size()) && first < 0; ++g)
-        if (b.offset < layer_range[size_t(g)].second && layer_range[size_t(g)].first < b.offset + b.length) first = g;
+      for (int64_t g = 0; g < layout.physical_layers() && first < 0; ++g) {
+        const auto [begin, end] = layout.expert_range(g);
+        if (b.offset < end && begin < b.offset + b.length) first = g;
+      }
     final_after_layer_.push_back(first);
   }
 }

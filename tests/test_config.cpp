@@ -23,6 +23,24 @@ TEST(Profiles, ParameterCountsMatchTheSpec) {
   EXPECT_EQ(ParamLayout(load_config_file(kConfigs + "1B.cfg").model).total(), 1040319296);
 }
 
+// Each physical layer's expert tensors (keys, then values) follow the replicated ones in layer
+// order, with or without a shard of the experts: the ZeRO buckets' per-layer reductions rely on it.
+TEST(Profiles, ExpertRangesFollowTheReplicatedParametersLayerByLayer) {
+  const ModelConfig m = load_config_file(kConfigs + "1B.cfg").model;
+  for (const ExpertShard shard : {expert_shard(m.ff_n_experts, 1, 0), expert_shard(m.ff_n_experts, 4, 3)}) {
+    const ParamLayout layout(m, shard);
+    ASSERT_EQ(layout.physical_layers(), m.group_size);
+    int64_t at = layout.replicated();
+    for (int64_t g = 0; g < layout.physical_layers(); ++g) {
+      const auto [begin, end] = layout.expert_range(g);
+      EXPECT_EQ(begin, at) << "layer " << g << ", " << shard.count << " experts";
+      EXPECT_EQ(end - begin, 2 * shard.count * m.d_model * m.ff_expert_size) << "layer " << g;
+      at = end;
+    }
+    EXPECT_EQ(at, layout.total()) << shard.count << " experts";
+  }
+}
+
 TEST(Profiles, TrainingFlopsPerTokenMatchTheSpec) {
   EXPECT_NEAR(load_config_file(kConfigs + "244M.cfg").model.training_flops_per_token(), 1.007e9, 0.0005e9);
   EXPECT_NEAR(load_config_file(kConfigs + "1B.cfg").model.training_flops_per_token(), 4.216e9, 0.0005e9);

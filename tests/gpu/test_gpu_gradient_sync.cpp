@@ -23,24 +23,18 @@
 namespace moeut {
 namespace {
 
-// [begin, end) of physical layer g's FFN expert tensors (keys, then values) in the gradient buffer.
-std::pair<int64_t, int64_t> expert_range(const ParamLayout& layout, int64_t g) {
-  const TensorSpec& values = layout.at(layer_prefix(g) + "ffn.values");
-  return {layout.at(layer_prefix(g) + "ffn.keys").offset, values.offset + values.numel};
-}
-
 // Copies each layer's expert gradients, in stream order, when the pass calls them final.
 class SnapshotSync final : public GpuModel::GradientSync {
  public:
   SnapshotSync(const ParamLayout& layout, int64_t layers, cudaStream_t stream) : layout_(layout), stream_(stream) {
     for (int64_t g = 0; g < layers; ++g) {
-      const auto [begin, end] = expert_range(layout, g);
+      const auto [begin, end] = layout.expert_range(g);
       snapshots_.emplace_back(size_t(end - begin));
     }
   }
   void experts_final(int64_t g, float* grads) override {
     calls_.push_back(g);
-    const auto [begin, end] = expert_range(layout_, g);
+    const auto [begin, end] = layout_.expert_range(g);
     MOEUT_CUDA_CHECK(cudaMemcpyAsync(snapshots_[size_t(g)].get(), grads + begin, size_t(end - begin) * sizeof(float),
                                      cudaMemcpyDeviceToDevice, stream_));
   }
@@ -75,7 +69,7 @@ TEST(GpuGradientSync, ExpertGradientsAreFinalWhenThePassSaysSo) {
       }
       const std::vector<float> grads = model.gradients();
       for (int64_t g = 0; g < cfg.group_size; ++g) {
-        const auto [begin, end] = expert_range(model.layout(), g);
+        const auto [begin, end] = model.layout().expert_range(g);
         const std::vector<float> seen = sync.snapshots_[size_t(g)].download();
         EXPECT_TRUE(std::equal(seen.begin(), seen.end(), grads.begin() + begin))
             << "step " << step << ": layer " << g << "'s expert gradients changed after the pass called them final";
