@@ -79,12 +79,15 @@ awk -F, -v OFS=, 'NR == 1 { $5 = $5 ",dispatcher" } NR > 1 { $5 = $5 "," ($2 > 1
   > "$work/gather.txt" 2>&1 || fail "all-gather projection: $(tail -3 "$work/gather.txt")"
 grep -q "token exchange (all_gather)" "$work/gather.txt" || fail "the projection does not name its dispatcher"
 grep -q "groups wider than a node: all_to_all" "$work/gather.txt" || fail "the projection hides auto's choice past a node"
-at_512() { awk -F, -v ep="$2" 'NR == 1 { for (i = 1; i <= NF; ++i) c[$i] = i } $1 == 512 && $2 == ep { print $c[k] }' k="$3" "$1"; }
-[ "$(at_512 "$work/gather/projection.csv" 8 dispatcher)" = all_gather ] &&
-  [ "$(at_512 "$work/gather/projection.csv" 16 dispatcher)" = all_to_all ] &&
-  [ "$(at_512 "$work/gather/projection.csv" 64 dispatcher)" = all_to_all ] ||
+# projected FILE GPUS EP COLUMN: that column of projection.csv's row for GPUS GPUs at EP.
+projected() {
+  awk -F, -v n="$2" -v ep="$3" -v k="$4" 'NR == 1 { for (i = 1; i <= NF; ++i) c[$i] = i } $1 == n && $2 == ep { print $c[k] }' "$1"
+}
+[ "$(projected "$work/gather/projection.csv" 512 8 dispatcher)" = all_gather ] &&
+  [ "$(projected "$work/gather/projection.csv" 512 16 dispatcher)" = all_to_all ] &&
+  [ "$(projected "$work/gather/projection.csv" 512 64 dispatcher)" = all_to_all ] ||
   fail "dispatchers projected: $(cat "$work/gather/projection.csv")"
-a2a=$(at_512 "$work/h100/projection.csv" 64 exchange_ms) gather=$(at_512 "$work/gather/projection.csv" 64 exchange_ms)
+a2a=$(projected "$work/h100/projection.csv" 512 64 exchange_ms) gather=$(projected "$work/gather/projection.csv" 512 64 exchange_ms)
 awk -v a="$a2a" -v g="$gather" 'BEGIN { exit !(g > 0.99 * a && g < 1.01 * a) }' ||
   fail "512 GPUs at ep 64: exchange $gather ms from the all-gather study against the all-to-all study's $a2a ms"
 sed '$ s/,all_gather,/,all_to_all,/' "$work/gather/points.csv" > "$work/mixed/points.csv"
@@ -107,8 +110,7 @@ CSV
   > "$work/gather1.txt" 2>&1 || fail "one-point all-gather projection: $(tail -3 "$work/gather1.txt")"
 grep -q "fixed cost 0.0 ms (none: np 2 ep 2's collectives are not timed)" "$work/gather1.txt" ||
   fail "the all-gather calibration: $(head -1 "$work/gather1.txt")"
-at_8() { awk -F, -v ep="$2" 'NR == 1 { for (i = 1; i <= NF; ++i) c[$i] = i } $1 == 8 && $2 == ep { print $c[k] }' k="$3" "$1"; }
-awk -v e2="$(at_8 "$work/gather1/projection.csv" 2 exchange_ms)" -v e8="$(at_8 "$work/gather1/projection.csv" 8 exchange_ms)" \
+awk -v e2="$(projected "$work/gather1/projection.csv" 8 2 exchange_ms)" -v e8="$(projected "$work/gather1/projection.csv" 8 8 exchange_ms)" \
   'BEGIN { exit !(e2 > 30 && e8 > 6.9 * e2 && e8 < 7.1 * e2) }' || fail "all-gather exchange: $(cat "$work/gather1/projection.csv")"
 # With two exchange volumes or more (ep 2 and 4), a line through the ep > 1 points gives the rate
 # and the fixed cost: every one of the 4-H100 points above is reproduced within 1%.

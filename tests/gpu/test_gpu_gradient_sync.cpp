@@ -121,10 +121,10 @@ TEST(GpuGradientSync, ReducingExpertsInTheBackwardUpdatesAsTheStepDoes) {
   MOEUT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-// The reduction every ZeRO bucket takes, on the expert-data-parallel group's NCCL communicator:
-// each rank's chunk, in place, becomes the sum of that chunk over the ranks, for equal chunks (one
-// ncclReduceScatter) and chunks one element apart (a reduce per owner). Small integers keep the
-// sums exact in any order.
+// The reduction every ZeRO bucket takes, on the expert-data-parallel group's NCCL communicator
+// (one reduce per owner, grouped): each rank's chunk, in place, becomes the sum of that chunk over
+// the ranks, for equal chunks and chunks one element apart alike. Small integers keep the sums
+// exact in any order.
 TEST(GpuGradientSync, ReduceScatterSumsEachOwnersChunkInPlace) {
   if (world_size() < 2) GTEST_SKIP() << "needs two ranks or more (mpirun -np 2)";
   if (gpu_count() < world_size()) GTEST_SKIP() << "skipped: no GPU for every rank";
